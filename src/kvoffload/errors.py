@@ -1,0 +1,87 @@
+"""The kvoffload error tree.
+
+Every error kvoffload raises on purpose derives from :class:`KVOffloadError` and from the builtin that
+best describes it, so callers can catch either the library-wide base or the builtin they already handle::
+
+    KVOffloadError(Exception)                  base of everything below
+    ├── ConfigError(ValueError)                a snapshot or config value is invalid (names field and value)
+    │   └── OffloadingConfigError              a vLLM 0.33 translator rule rejects the input (vLLM's message)
+    ├── WireError(ValueError)                  a frame is truncated, oversized, corrupted or of an unknown kind
+    │   └── SchemaMismatchError                the peer speaks an incompatible schema version (names both)
+    ├── HostMemoryError(MemoryError)           the host pool cannot be sized or allocated (with the numbers)
+    ├── InvalidStateError(RuntimeError)        an API was called out of order (e.g. loading a key not ready)
+    ├── TransferError(RuntimeError)            a copy between engine memory and the host pool failed
+    ├── WorkerError(RuntimeError)              a worker process died, timed out or refused the handshake
+    └── VerificationError(RuntimeError)        reloaded KV bytes differ from what was stored (demo/checks)
+
+Validation never uses ``assert``: every check raises one of these with a message that names the offending
+field and value.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "HostMemoryError",
+    "InvalidStateError",
+    "KVOffloadError",
+    "OffloadingConfigError",
+    "SchemaMismatchError",
+    "TransferError",
+    "VerificationError",
+    "WireError",
+    "WorkerError",
+]
+
+
+class KVOffloadError(Exception):
+    """Base class of every error kvoffload raises deliberately."""
+
+
+class ConfigError(KVOffloadError, ValueError):
+    """An engine snapshot, config or argument holds an invalid value."""
+
+
+class OffloadingConfigError(ConfigError):
+    """The input violates a rule of vLLM 0.33's ``build_offloading_config``.
+
+    The message is vLLM's own text, so logs read the same on both sides. ``vllm_exception`` names the
+    exception type vLLM raises for the same input (``"ValueError"`` or ``"AssertionError"``).
+    """
+
+    def __init__(self, message: str, *, vllm_exception: str = "ValueError") -> None:
+        super().__init__(message)
+        self.vllm_exception = vllm_exception
+
+
+class WireError(KVOffloadError, ValueError):
+    """A wire frame could not be decoded: truncated, oversized, corrupted or of an unknown kind."""
+
+
+class SchemaMismatchError(WireError):
+    """The peer's schema version cannot be read by this process (different major version)."""
+
+    def __init__(self, message: str, *, local_version: str, remote_version: str) -> None:
+        super().__init__(message)
+        self.local_version = local_version
+        self.remote_version = remote_version
+
+
+class HostMemoryError(KVOffloadError, MemoryError):
+    """The host pool cannot be sized from the budget or does not fit in available memory."""
+
+
+class InvalidStateError(KVOffloadError, RuntimeError):
+    """An API call does not fit the current state (a protocol misuse by the caller)."""
+
+
+class TransferError(KVOffloadError, RuntimeError):
+    """A copy between engine KV memory and the host pool failed."""
+
+
+class WorkerError(KVOffloadError, RuntimeError):
+    """A worker process died, timed out or refused the handshake."""
+
+
+class VerificationError(KVOffloadError, RuntimeError):
+    """Reloaded KV bytes differ from the bytes that were stored."""
