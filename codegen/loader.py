@@ -7,14 +7,13 @@ import json
 import keyword
 import re
 import tomllib
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
 
 from .errors import SchemaError
-from .meta import DefaultValue, EnumDef, FieldDef, SchemaFile, StructDef, UnionDef
+from .meta import DefaultValue, EnumDef, FieldDef, SchemaFile, SchemaHeader, StructDef, UnionDef
 from .typeref import TypeRef, TypeSyntaxError, parse_type
 
 _VERSION_RE = re.compile(r"^(0|[1-9][0-9]*)\.(0|[1-9][0-9]*)$")
@@ -188,28 +187,52 @@ def load_schema_text(text: str, *, file: str = "<schema>") -> Schema:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SchemaError(f"invalid TOML: {exc}", file=file) from None
-    try:
-        source = msgspec.convert(raw, SchemaFile)
-    except msgspec.ValidationError as exc:
-        raise _explain_validation(str(exc), raw, file) from None
+    source = _convert(raw, file)
     return _Resolver(source, file, _Lines(text)).resolve()
 
 
-def _explain_validation(message: str, raw: Mapping[str, object], file: str) -> SchemaError:
-    """Turn a msgspec path like `$.struct.X.fields[2]` into 'type X, field NAME'."""
-    match = re.search(r"`\$\.(enum|struct|union)\.([^.`\[]+)(?:\.fields\[(\d+)\])?", message)
-    if match is None:
-        return SchemaError(message, file=file)
-    kind, type_name, index = match.groups()
+def _convert(raw: dict[str, object], file: str) -> SchemaFile:
+    """Convert the TOML document entry by entry, so an error can name the type and field it is in."""
+    kinds: dict[str, type[EnumDef] | type[StructDef] | type[UnionDef]] = {
+        "enum": EnumDef,
+        "struct": StructDef,
+        "union": UnionDef,
+    }
+    unknown = sorted(set(raw) - {"schema", *kinds})
+    if unknown:
+        raise SchemaError(f"unknown top-level table {unknown[0]!r} (schema, enum, struct, union)", file=file)
+    try:
+        header = msgspec.convert(raw.get("schema"), SchemaHeader)
+    except msgspec.ValidationError as exc:
+        raise SchemaError(f"[schema]: {exc}", file=file) from None
+    tables: dict[str, dict[str, EnumDef | StructDef | UnionDef]] = {}
+    for kind, cls in kinds.items():
+        entries = raw.get(kind, {})
+        if not isinstance(entries, dict):
+            raise SchemaError(f"`{kind}` must be a table of tables", file=file)
+        tables[kind] = {}
+        for name, entry in entries.items():
+            try:
+                tables[kind][name] = msgspec.convert(entry, cls)
+            except msgspec.ValidationError as exc:
+                raise _explain_validation(str(exc), entry, file, name) from None
+    return SchemaFile(
+        schema=header,
+        enum={k: v for k, v in tables["enum"].items() if isinstance(v, EnumDef)},
+        struct={k: v for k, v in tables["struct"].items() if isinstance(v, StructDef)},
+        union={k: v for k, v in tables["union"].items() if isinstance(v, UnionDef)},
+    )
+
+
+def _explain_validation(message: str, entry: object, file: str, type_name: str) -> SchemaError:
+    """Name the field a msgspec error points at (`$.fields[2]` -> that field's `name`)."""
     field_name = ""
-    if index is not None:
-        table = raw.get(kind)
-        entry = table.get(type_name) if isinstance(table, dict) else None
+    match = re.search(r"`\$\.fields\[(\d+)\]", message)
+    if match is not None:
+        index = int(match.group(1))
         fields = entry.get("fields") if isinstance(entry, dict) else None
-        if isinstance(fields, list) and int(index) < len(fields) and isinstance(fields[int(index)], dict):
-            field_name = str(fields[int(index)].get("name", f"#{index}"))
-        else:
-            field_name = f"#{index}"
+        item = fields[index] if isinstance(fields, list) and index < len(fields) else None
+        field_name = str(item.get("name", f"#{index}")) if isinstance(item, dict) else f"#{index}"
     return SchemaError(message, file=file, type_name=type_name, field=field_name)
 
 
