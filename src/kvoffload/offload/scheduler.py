@@ -1,0 +1,736 @@
+"""The scheduler side: per-request lookup, load and store decisions, turned into one StepPlan per step.
+
+``OffloadScheduler`` is engine-neutral. An engine drives it with a handful of calls per request::
+
+    sched.add_request("r1", block_hashes, num_tokens=len(prompt))    # hashes at tokens_per_hash
+    hit = sched.lookup("r1", num_computed_tokens=local_prefix_hit)    # tokens loadable from the host
+    sched.on_blocks_allocated("r1", new_block_ids, num_external_tokens=hit or 0)
+    ...forward pass...
+    sched.on_tokens_computed("r1", num_computed_tokens)
+    plan = sched.build_step_plan()                                    # -> every worker
+    done = sched.on_worker_reports(reports)                           # <- from every worker
+    sched.finish_request("r1")
+
+Semantics follow vLLM 0.33's offloading connector scheduler (reference §5.3-5.5): chunk keys are the hash of
+the last hash-block of each chunk; a lookup finds the longest run of ready chunks (full attention) or the
+rightmost ready window (sliding window) and defers (returns ``None``) while a needed chunk is still being
+written or loaded; only prompt tokens are stored by default (``offload_prompt_only``); a job completes when
+every one of ``world_size`` workers has reported it; a failed job never marks data ready and releases its
+pins. One deliberate difference: chunks found by ``lookup`` are pinned right away (vLLM pins when blocks are
+allocated), so a store planned between lookup and allocation can never evict them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from .._generated import (
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    Medium,
+    OffloadingConfig,
+    StepPlan,
+    TransferJob,
+    WorkerReport,
+)
+from ..errors import ConfigError, InvalidStateError
+from ..packed import Int32Array, Int64Array
+from .keys import hashes_per_chunk, offload_key_group, offload_key_hash
+from .manager import HostBlockManager, LookupResult
+
+__all__ = ["OffloadScheduler", "ReportOutcome", "SchedulerStats"]
+
+_HIT = LookupResult.HIT
+_MISS = LookupResult.MISS
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """Chunk geometry of one offloaded group."""
+
+    index: int
+    group_id: int
+    tokens_per_block: int
+    tokens_per_chunk: int
+    hashes_per_chunk: int
+    window_chunks: int | None  # None: full attention (a prefix is needed), else chunks of the window
+
+
+@dataclass(slots=True)
+class _Job:
+    job_id: int
+    req_id: str
+    is_store: bool
+    keys: list[bytes]
+    pending: int
+    num_tokens: int
+    blocks: tuple[int, ...]
+    failed: bool = False
+    stale: bool = False
+
+
+@dataclass(slots=True)
+class _Request:
+    req_id: str
+    block_hashes: list[bytes]
+    num_tokens: int
+    prompt_len: int
+    max_load_tokens: int | None
+    max_offload_tokens: int | None
+    keys: list[list[bytes]]
+    block_ids: list[list[int]]
+    next_stored: list[int]
+    num_computed: int = 0
+    jobs: set[int] = field(default_factory=set)
+    pinned: list[bytes] = field(default_factory=list)
+    hit_start: int = 0
+    hit_end: int = 0
+    finished: bool = False
+    stored_keys: list[bytes] = field(default_factory=list)
+    reused_keys: set[bytes] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class ReportOutcome:
+    """What worker reports completed: requests whose loads finished (ready to run) or failed (recompute)."""
+
+    finished_loads: tuple[str, ...]
+    failed_loads: tuple[str, ...]
+    failed_stores: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """Totals since construction (cache usage is the manager's current gauge)."""
+
+    lookups: int
+    lookup_hits: int
+    lookup_misses: int
+    lookups_deferred: int
+    tokens_loaded: int
+    tokens_stored: int
+    allocation_failures: int
+    load_jobs: int
+    store_jobs: int
+    failed_jobs: int
+    bytes_loaded: int
+    bytes_stored: int
+    load_seconds: float
+    store_seconds: float
+    cache_usage: float
+    jobs_in_flight: int
+
+
+def _opt_limit(name: str, value: int | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name} must be a non-negative int or None, got {value!r}")
+    return value
+
+
+class OffloadScheduler:
+    """Decides, per request, which chunks to load from and store into the host pool (vLLM 0.33 semantics).
+
+    ``offload_prompt_only`` defaults to ``extra_config["offload_prompt_only"]`` (True when absent, as in
+    vLLM): decode-phase KV is not offloaded unless it is turned off. ``null_block_id`` names the engine's
+    placeholder block (vLLM uses 0 for blocks a sliding window dropped): chunks holding it are never stored.
+    """
+
+    def __init__(
+        self,
+        config: OffloadingConfig,
+        manager: HostBlockManager,
+        *,
+        offload_prompt_only: bool | None = None,
+        null_block_id: int | None = None,
+    ) -> None:
+        if not config.groups:
+            raise ConfigError("OffloadingConfig.groups is empty: nothing to offload")
+        self.config = config
+        self.manager = manager
+        bpc = config.cache.blocks_per_chunk
+        tph = config.cache.tokens_per_hash
+        groups = [
+            _Group(
+                index=i,
+                group_id=g.group_id,
+                tokens_per_block=g.tokens_per_block,
+                tokens_per_chunk=g.tokens_per_block * bpc,
+                hashes_per_chunk=hashes_per_chunk(g.tokens_per_block, bpc, tph),
+                window_chunks=g.sliding_window_size_in_chunks,
+            )
+            for i, g in enumerate(config.groups)
+        ]
+        self._groups = tuple(groups)
+        # vLLM visits full attention first, then sliding windows from the largest window down.
+        self._lookup_order = tuple(
+            sorted(groups, key=lambda g: (g.window_chunks is not None, -(g.window_chunks or 0)))
+        )
+        if offload_prompt_only is None:
+            offload_prompt_only = bool(config.extra_config.get("offload_prompt_only", True))
+        self.offload_prompt_only = offload_prompt_only
+        self.null_block_id = null_block_id
+        self.world_size = config.parallel.world_size
+        self._requests: dict[str, _Request] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._next_job_id = 0
+        self._step = 0
+        self._pending_loads: list[TransferJob] = []
+        self._flush: set[int] = set()
+        self._fenced: dict[int, int] = {}  # engine block id -> in-flight store job id
+        self._loading: dict[bytes, int] = {}  # key -> loads in flight that read it
+        self._counters = dict.fromkeys(
+            (
+                "lookups",
+                "lookup_hits",
+                "lookup_misses",
+                "lookups_deferred",
+                "tokens_loaded",
+                "tokens_stored",
+                "allocation_failures",
+                "load_jobs",
+                "store_jobs",
+                "failed_jobs",
+                "bytes_loaded",
+                "bytes_stored",
+            ),
+            0,
+        )
+        self._seconds = {"load": 0.0, "store": 0.0}
+
+    # ------------------------------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        req_id: str,
+        block_hashes: Sequence[bytes],
+        num_tokens: int,
+        *,
+        prompt_len: int | None = None,
+        max_load_tokens: int | None = None,
+        max_offload_tokens: int | None = None,
+    ) -> None:
+        """Register a request: its block hashes (at ``tokens_per_hash`` granularity) and its token count.
+
+        ``prompt_len`` defaults to ``num_tokens``; ``max_load_tokens`` / ``max_offload_tokens`` cap what is
+        loaded from / stored to the host for this request (vLLM's per-request ``kv_transfer_params``).
+        """
+        if req_id in self._requests:
+            raise InvalidStateError(f"request {req_id!r} is already registered")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+            raise ConfigError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        prompt = num_tokens if prompt_len is None else prompt_len
+        if isinstance(prompt, bool) or not isinstance(prompt, int) or not 0 <= prompt <= num_tokens:
+            raise ConfigError(f"prompt_len must be an int in [0, num_tokens={num_tokens}], got {prompt!r}")
+        req = _Request(
+            req_id=req_id,
+            block_hashes=list(block_hashes),
+            num_tokens=num_tokens,
+            prompt_len=prompt,
+            max_load_tokens=_opt_limit("max_load_tokens", max_load_tokens),
+            max_offload_tokens=_opt_limit("max_offload_tokens", max_offload_tokens),
+            keys=[[] for _ in self._groups],
+            block_ids=[[] for _ in self._groups],
+            next_stored=[0 for _ in self._groups],
+        )
+        self._requests[req_id] = req
+        self._update_keys(req)
+
+    def extend_request(self, req_id: str, new_block_hashes: Sequence[bytes], num_tokens: int) -> None:
+        """Append block hashes and raise the token count as a request decodes."""
+        req = self._request(req_id)
+        if num_tokens < req.num_tokens:
+            raise ConfigError(f"num_tokens of {req_id!r} cannot shrink ({req.num_tokens} -> {num_tokens})")
+        req.block_hashes.extend(new_block_hashes)
+        req.num_tokens = num_tokens
+        self._update_keys(req)
+
+    def _request(self, req_id: str) -> _Request:
+        req = self._requests.get(req_id)
+        if req is None:
+            raise InvalidStateError(f"unknown request {req_id!r}")
+        return req
+
+    def _update_keys(self, req: _Request) -> None:
+        hashes = req.block_hashes
+        for g in self._groups:
+            keys = req.keys[g.index]
+            hpc = g.hashes_per_chunk
+            suffix = g.group_id.to_bytes(4, "big")
+            keys.extend(hashes[i] + suffix for i in range((len(keys) + 1) * hpc - 1, len(hashes), hpc))
+
+    # -------------------------------------------------------------------------------------------- lookup
+
+    def lookup(self, req_id: str, num_computed_tokens: int) -> int | None:
+        """Tokens beyond ``num_computed_tokens`` that can be loaded from the host, or None to ask again later.
+
+        The hit is chunk-aligned, leaves at least the last token to compute, and its chunks are pinned
+        until ``on_blocks_allocated`` turns them into a load job (or the next lookup/abort releases them).
+        ``None`` means a needed chunk is still being written or loaded, or the request has a job in flight.
+        """
+        req = self._request(req_id)
+        self._counters["lookups"] += 1
+        self._release_pins(req)
+        if req.jobs:
+            self._counters["lookups_deferred"] += 1
+            return None
+        max_hit = req.num_tokens - 1
+        if req.max_load_tokens is not None:
+            max_hit = min(max_hit, num_computed_tokens + req.max_load_tokens)
+        while max_hit > num_computed_tokens:
+            before = max_hit
+            for g in self._lookup_order:
+                limit = self._lookup_group(req, g, num_computed_tokens, max_hit)
+                if limit is None:
+                    self._counters["lookups_deferred"] += 1
+                    return None
+                max_hit = min(max_hit, limit)
+            if max_hit == before:
+                break
+        if max_hit <= num_computed_tokens:
+            self._counters["lookup_misses"] += 1
+            return 0
+        keys = self._hit_keys(req, num_computed_tokens, max_hit)
+        if any(k in self._loading for k in keys):
+            # Another request is loading these chunks into engine blocks; the engine's prefix cache will
+            # serve them once it finishes (vLLM waits for the same reason).
+            self._counters["lookups_deferred"] += 1
+            return None
+        self.manager.prepare_load(keys)
+        self.manager.touch(keys)
+        req.pinned = keys
+        req.hit_start, req.hit_end = num_computed_tokens, max_hit
+        self._counters["lookup_hits"] += 1
+        return max_hit - num_computed_tokens
+
+    def _lookup_group(self, req: _Request, g: _Group, num_computed: int, max_hit: int) -> int | None:
+        keys = req.keys[g.index]
+        tpc = g.tokens_per_chunk
+        first = num_computed // tpc
+        last = min(len(keys), max_hit // tpc)
+        lookup = self.manager.lookup
+        if g.window_chunks is None:
+            i = first
+            while i < last:
+                result = lookup(keys[i])
+                if result is _MISS:
+                    break
+                if result is not _HIT:
+                    return None
+                i += 1
+            return i * tpc
+        window = max(1, g.window_chunks)
+        end = last
+        while end > first:
+            lo = max(0, end - window)
+            for j in range(end - 1, lo - 1, -1):
+                result = lookup(keys[j])
+                if result is _MISS:
+                    end = j
+                    break
+                if result is not _HIT:
+                    return None
+            else:
+                return end * tpc
+        return first * tpc
+
+    def _load_range(self, g: _Group, start_tokens: int, end_tokens: int) -> tuple[int, int]:
+        """Engine blocks [first, last) of group ``g`` a load of tokens [start, end) must fill."""
+        tpb = g.tokens_per_block
+        first = start_tokens // tpb
+        last = end_tokens // tpb
+        if g.window_chunks is not None:
+            bpc = self.config.cache.blocks_per_chunk
+            first = max(first, last - g.window_chunks * bpc)
+        return first, last
+
+    def _hit_keys(self, req: _Request, start: int, end: int) -> list[bytes]:
+        bpc = self.config.cache.blocks_per_chunk
+        keys: list[bytes] = []
+        for g in self._groups:
+            first, last = self._load_range(g, start, end)
+            keys.extend(req.keys[g.index][first // bpc : -(-last // bpc)])
+        return keys
+
+    def _release_pins(self, req: _Request) -> None:
+        if req.pinned:
+            self.manager.complete_load(req.pinned)
+            req.pinned = []
+
+    # ---------------------------------------------------------------------------------- allocation, compute
+
+    def on_blocks_allocated(
+        self, req_id: str, new_block_ids: Sequence[Sequence[int]], *, num_external_tokens: int = 0
+    ) -> None:
+        """Record engine blocks newly allocated to a request, one list per offloaded group (config order).
+
+        With ``num_external_tokens`` > 0 (at most what ``lookup`` returned, chunk-aligned) a load job is
+        queued for the next step plan; blocks that an in-flight store still reads are flushed first.
+        """
+        req = self._request(req_id)
+        if len(new_block_ids) != len(self._groups):
+            raise ConfigError(
+                f"new_block_ids has {len(new_block_ids)} lists but the config offloads "
+                f"{len(self._groups)} groups"
+            )
+        for g, ids in zip(self._groups, new_block_ids, strict=True):
+            for block in ids:
+                job_id = self._fenced.get(block)
+                if job_id is not None:
+                    self._flush.add(job_id)
+            req.block_ids[g.index].extend(ids)
+        if num_external_tokens:
+            self._queue_load(req, num_external_tokens)
+        else:
+            self._release_pins(req)
+
+    def _queue_load(self, req: _Request, num_external_tokens: int) -> None:
+        start = req.hit_start
+        end = start + num_external_tokens
+        if not req.pinned or end > req.hit_end or num_external_tokens < 0:
+            raise InvalidStateError(
+                f"request {req.req_id!r}: num_external_tokens={num_external_tokens} exceeds the last lookup "
+                f"hit ({req.hit_end - req.hit_start} tokens)"
+            )
+        bpc = self.config.cache.blocks_per_chunk
+        group_sizes: list[int] = []
+        block_indices: list[int] = []
+        blocks: list[int] = []
+        keys: list[bytes] = []
+        for g in self._groups:
+            if end % g.tokens_per_chunk and end != req.hit_end:
+                raise InvalidStateError(
+                    f"request {req.req_id!r}: num_external_tokens={num_external_tokens} is not chunk-aligned "
+                    f"({g.tokens_per_chunk} tokens per chunk in group {g.group_id})"
+                )
+            first, last = self._load_range(g, start, end)
+            ids = req.block_ids[g.index]
+            if last > len(ids):
+                raise InvalidStateError(
+                    f"request {req.req_id!r}: group {g.group_id} has {len(ids)} blocks allocated, "
+                    f"the load needs {last}"
+                )
+            group_sizes.append(max(0, last - first))
+            block_indices.append(first)
+            blocks.extend(ids[first:last])
+            keys.extend(req.keys[g.index][first // bpc : -(-last // bpc)])
+        unused = list(req.pinned)
+        for key in keys:
+            unused.remove(key)
+        if unused:
+            self.manager.complete_load(unused)
+        req.pinned = []
+        chunk_ids = [self.manager.chunk_id(k) for k in keys]
+        job = self._new_job(req, is_store=False, keys=keys, num_tokens=num_external_tokens, blocks=())
+        for key in keys:
+            self._loading[key] = self._loading.get(key, 0) + 1
+        req.reused_keys.update(keys)
+        self._pending_loads.append(
+            TransferJob(
+                job_id=job.job_id,
+                req_id=req.req_id,
+                group_sizes=Int32Array(group_sizes),
+                block_indices=Int32Array(block_indices),
+                block_ids=Int64Array(blocks),
+                chunk_ids=Int64Array([c if c is not None else -1 for c in chunk_ids]),
+            )
+        )
+        # Loaded chunks are already on the host: do not store them again (vLLM's CHUNK_LEVEL policy).
+        for g in self._groups:
+            req.next_stored[g.index] = max(req.next_stored[g.index], end // g.tokens_per_chunk)
+
+    def on_tokens_computed(self, req_id: str, num_computed_tokens: int) -> None:
+        """Advance a request's computed tokens; newly complete chunks are stored by the next step plan."""
+        req = self._request(req_id)
+        if num_computed_tokens > req.num_tokens:
+            raise ConfigError(
+                f"num_computed_tokens={num_computed_tokens} exceeds num_tokens={req.num_tokens} of {req_id!r}"
+            )
+        req.num_computed = max(req.num_computed, num_computed_tokens)
+
+    def _new_job(
+        self, req: _Request, *, is_store: bool, keys: list[bytes], num_tokens: int, blocks: tuple[int, ...]
+    ) -> _Job:
+        job = _Job(
+            job_id=self._next_job_id,
+            req_id=req.req_id,
+            is_store=is_store,
+            keys=keys,
+            pending=self.world_size,
+            num_tokens=num_tokens,
+            blocks=blocks,
+        )
+        self._next_job_id += 1
+        self._jobs[job.job_id] = job
+        req.jobs.add(job.job_id)
+        self._counters["store_jobs" if is_store else "load_jobs"] += 1
+        return job
+
+    # ------------------------------------------------------------------------------------------ step plan
+
+    def build_step_plan(self) -> StepPlan:
+        """The StepPlan for this step: queued loads, stores of newly complete chunks, and flushes."""
+        store_jobs = [job for req in list(self._requests.values()) if (job := self._plan_store(req))]
+        plan = StepPlan(
+            step=self._step,
+            load_jobs=tuple(self._pending_loads),
+            store_jobs=tuple(store_jobs),
+            flush=Int64Array(sorted(self._flush)),
+        )
+        self._step += 1
+        self._pending_loads = []
+        self._flush = set()
+        return plan
+
+    def _offloadable_tokens(self, req: _Request) -> int:
+        tokens = min(req.num_computed, req.num_tokens)
+        if req.max_offload_tokens is not None:
+            tokens = min(tokens, req.max_offload_tokens)
+        if self.offload_prompt_only:
+            tokens = min(tokens, req.prompt_len)
+        return tokens
+
+    def _plan_store(self, req: _Request) -> TransferJob | None:
+        if req.finished:
+            return None
+        bpc = self.config.cache.blocks_per_chunk
+        tokens = self._offloadable_tokens(req)
+        null = self.null_block_id
+        ranges: list[tuple[int, int]] = []
+        offered: list[bytes] = []
+        for g in self._groups:
+            ids = req.block_ids[g.index]
+            end = min(tokens // g.tokens_per_chunk, len(ids) // bpc, len(req.keys[g.index]))
+            start = req.next_stored[g.index]
+            ranges.append((start, end))
+            for chunk in range(start, end):
+                if null is None or null not in ids[chunk * bpc : (chunk + 1) * bpc]:
+                    offered.append(req.keys[g.index][chunk])
+        if not offered:
+            for g, (start, end) in zip(self._groups, ranges, strict=True):
+                req.next_stored[g.index] = max(start, end)
+            return None
+        plan = self.manager.prepare_store(offered, request_id=req.req_id)
+        if plan is None:
+            self._counters["allocation_failures"] += 1
+            return None  # no progress: retried next step, as vLLM does
+        for g, (start, end) in zip(self._groups, ranges, strict=True):
+            req.next_stored[g.index] = max(start, end)
+        accepted = set(plan.keys_to_store)
+        req.reused_keys.update(k for k in offered if k not in accepted)
+        if not accepted:
+            return None
+        group_sizes: list[int] = []
+        block_indices: list[int] = []
+        blocks: list[int] = []
+        keys: list[bytes] = []
+        num_tokens = 0
+        for g, (start, end) in zip(self._groups, ranges, strict=True):
+            first_block: int | None = None
+            size = 0
+            for chunk in range(start, end):
+                key = req.keys[g.index][chunk]
+                if key not in accepted:
+                    continue
+                if first_block is None:
+                    first_block = chunk * bpc
+                blocks.extend(req.block_ids[g.index][chunk * bpc : (chunk + 1) * bpc])
+                keys.append(key)
+                size += bpc
+            group_sizes.append(size)
+            block_indices.append(first_block or 0)
+            num_tokens = max(num_tokens, size // bpc * g.tokens_per_chunk)
+        chunk_of = dict(zip(plan.keys_to_store, plan.chunk_ids, strict=True))
+        job = self._new_job(req, is_store=True, keys=keys, num_tokens=num_tokens, blocks=tuple(blocks))
+        for block in blocks:
+            self._fenced[block] = job.job_id
+        req.stored_keys.extend(keys)
+        return TransferJob(
+            job_id=job.job_id,
+            req_id=req.req_id,
+            group_sizes=Int32Array(group_sizes),
+            block_indices=Int32Array(block_indices),
+            block_ids=Int64Array(blocks),
+            chunk_ids=Int64Array([chunk_of[k] for k in keys]),
+        )
+
+    # --------------------------------------------------------------------------------------- completions
+
+    def on_worker_reports(self, reports: Iterable[WorkerReport]) -> ReportOutcome:
+        """Count worker results; a job completes once all ``world_size`` workers reported it.
+
+        A job any worker failed is a failure: its stored chunks are freed (never marked ready) and a failed
+        load's request must recompute. Reports of unknown or stale jobs are ignored.
+        """
+        finished: list[str] = []
+        failed_loads: list[str] = []
+        failed_stores: list[str] = []
+        for report in reports:
+            for result in report.results:
+                job = self._jobs.get(result.job_id)
+                if job is None:
+                    continue
+                kind = "store" if job.is_store else "load"
+                self._counters["bytes_stored" if job.is_store else "bytes_loaded"] += result.num_bytes
+                self._seconds[kind] += result.seconds
+                job.failed = job.failed or not result.success
+                job.pending -= 1
+                if job.pending > 0:
+                    continue
+                self._complete(job, finished, failed_loads, failed_stores)
+        return ReportOutcome(tuple(finished), tuple(failed_loads), tuple(failed_stores))
+
+    def fail_jobs(self, job_ids: Iterable[int]) -> ReportOutcome:
+        """Fail jobs outright (e.g. a worker died before reporting them): pins released, data never ready."""
+        finished: list[str] = []
+        failed_loads: list[str] = []
+        failed_stores: list[str] = []
+        for job_id in list(job_ids):
+            job = self._jobs.get(job_id)
+            if job is not None:
+                job.failed = True
+                self._complete(job, finished, failed_loads, failed_stores)
+        return ReportOutcome(tuple(finished), tuple(failed_loads), tuple(failed_stores))
+
+    def in_flight_job_ids(self) -> list[int]:
+        """Ids of jobs not yet reported by every worker."""
+        return sorted(self._jobs)
+
+    def _complete(
+        self, job: _Job, finished: list[str], failed_loads: list[str], failed_stores: list[str]
+    ) -> None:
+        del self._jobs[job.job_id]
+        req = self._requests.get(job.req_id)
+        if job.is_store:
+            for block in job.blocks:
+                if self._fenced.get(block) == job.job_id:
+                    del self._fenced[block]
+            if not job.stale:
+                self.manager.complete_store(job.keys, success=not job.failed)
+            if job.failed:
+                self._counters["failed_jobs"] += 1
+                failed_stores.append(job.req_id)
+            elif not job.stale:
+                self._counters["tokens_stored"] += job.num_tokens
+        else:
+            for key in job.keys:
+                left = self._loading.get(key, 0) - 1
+                if left > 0:
+                    self._loading[key] = left
+                else:
+                    self._loading.pop(key, None)
+            if not job.stale:
+                self.manager.complete_load(job.keys)
+            if job.failed:
+                self._counters["failed_jobs"] += 1
+                failed_loads.append(job.req_id)
+            else:
+                self._counters["tokens_loaded"] += job.num_tokens
+                if req is not None and not req.finished:
+                    finished.append(job.req_id)
+        if req is not None:
+            req.jobs.discard(job.job_id)
+            if req.finished and not req.jobs:
+                self._drop(req)
+
+    # ---------------------------------------------------------------------------------------- lifecycle
+
+    def finish_request(self, req_id: str) -> None:
+        """The request finished: no more stores; its state goes once its in-flight jobs complete.
+
+        Its engine blocks stay fenced until their stores complete: reallocating one flushes the store.
+        """
+        req = self._request(req_id)
+        self._release_pins(req)
+        req.finished = True
+        self.manager.on_request_finished(req.stored_keys, req.reused_keys, request_id=req_id)
+        if not req.jobs:
+            self._drop(req)
+
+    def abort_request(self, req_id: str) -> None:
+        """Abort a request mid-flight: pins released, in-flight stores flushed by the next step plan.
+
+        In-flight loads still complete on the workers (copies cannot be recalled); their results only
+        release the chunks.
+        """
+        req = self._request(req_id)
+        for job_id in req.jobs:
+            if self._jobs[job_id].is_store:
+                self._flush.add(job_id)
+        self._pending_loads = [j for j in self._pending_loads if j.req_id != req_id]
+        self.finish_request(req_id)
+
+    def _drop(self, req: _Request) -> None:
+        self._requests.pop(req.req_id, None)
+
+    def reset(self) -> None:
+        """Drop every stored chunk (vLLM ``reset_cache``): in-flight jobs are flushed and become stale."""
+        for req in self._requests.values():
+            self._release_pins(req)
+            req.next_stored = [0 for _ in self._groups]
+        for job in self._jobs.values():
+            job.stale = True
+            self._flush.add(job.job_id)
+        self.manager.reset()
+
+    def has_pending_work(self) -> bool:
+        """Whether jobs are in flight or queued."""
+        return bool(self._jobs or self._pending_loads)
+
+    # ------------------------------------------------------------------------------------- stats, events
+
+    def stats(self) -> SchedulerStats:
+        """Counters since construction plus the manager's current cache usage."""
+        c = self._counters
+        return SchedulerStats(
+            lookups=c["lookups"],
+            lookup_hits=c["lookup_hits"],
+            lookup_misses=c["lookup_misses"],
+            lookups_deferred=c["lookups_deferred"],
+            tokens_loaded=c["tokens_loaded"],
+            tokens_stored=c["tokens_stored"],
+            allocation_failures=c["allocation_failures"],
+            load_jobs=c["load_jobs"],
+            store_jobs=c["store_jobs"],
+            failed_jobs=c["failed_jobs"],
+            bytes_loaded=c["bytes_loaded"],
+            bytes_stored=c["bytes_stored"],
+            load_seconds=self._seconds["load"],
+            store_seconds=self._seconds["store"],
+            cache_usage=self.manager.stats().usage,
+            jobs_in_flight=len(self._jobs),
+        )
+
+    def take_events(self) -> list[KVEvent]:
+        """KV cache events since the last call, as schema types (vLLM's placeholder payloads).
+
+        A stored chunk is announced by its last hash-block; failed stores that were never announced
+        (metadata-only removals) publish nothing. Removals are grouped per group id.
+        """
+        events: list[KVEvent] = []
+        for event in self.manager.take_events():
+            if event.metadata_only:
+                continue
+            medium = Medium(event.medium)
+            by_group: dict[int, list[bytes]] = {}
+            for key in event.keys:
+                by_group.setdefault(offload_key_group(key), []).append(offload_key_hash(key))
+            for group_idx, hashes in by_group.items():
+                if event.removed:
+                    events.append(
+                        BlockRemoved(block_hashes=tuple(hashes), group_idx=group_idx, medium=medium)
+                    )
+                else:
+                    events.extend(
+                        BlockStored(block_hashes=(h,), group_idx=group_idx, medium=medium) for h in hashes
+                    )
+        return events
+
+    @staticmethod
+    def now() -> float:
+        """Wall clock for event batches."""
+        return time.time()
