@@ -71,7 +71,9 @@ def hashes(prefix: str, n: int, *, shared: int = 0, base: str = "p") -> list[byt
     return out
 
 
-def report(plan_jobs: list[TransferJob], rank: int, *, success: bool = True, store: bool = True) -> WorkerReport:
+def report(
+    plan_jobs: list[TransferJob], rank: int, *, success: bool = True, store: bool = True
+) -> WorkerReport:
     return WorkerReport(
         rank=rank,
         step=0,
@@ -158,7 +160,7 @@ def test_failed_store_never_becomes_a_hit() -> None:
 
 
 def test_reports_out_of_order_and_unknown_jobs() -> None:
-    sched, manager = make()
+    sched, _manager = make()
     p1 = store_prefix(sched, "a", hashes("a", 1), [1])
     p2 = store_prefix(sched, "b", hashes("b", 1), [2])
     j1, j2 = p1.store_jobs[0], p2.store_jobs[0]
@@ -246,7 +248,7 @@ def test_prompt_only_and_max_offload_tokens() -> None:
 
 
 def test_allocation_failure_retries_next_step() -> None:
-    sched, manager = make(world_size=1, chunks=2)
+    sched, _manager = make(world_size=1, chunks=2)
     plan = store_prefix(sched, "a", hashes("a", 2), [1, 2])
     # Both chunks are pending writes: nothing evictable, so the next store cannot be placed.
     sched.add_request("b", hashes("b", 1), 16)
@@ -312,5 +314,5 @@ def test_bad_input_is_rejected_with_names() -> None:
         sched.lookup("zz", 0)
     with pytest.raises(ConfigError, match="max_load_tokens"):
         sched.add_request("b", [], 0, max_load_tokens=-3)
-    with pytest.raises(ConfigError, match="2 lists|1 groups"):
+    with pytest.raises(ConfigError, match=r"2 lists|1 groups"):
         sched.on_blocks_allocated("a", [[1], [2]])
