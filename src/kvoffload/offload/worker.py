@@ -1,0 +1,110 @@
+"""The worker side: applies each StepPlan to one rank's copy engine and reports finished jobs.
+
+Per step, as vLLM 0.33's connector worker does (reference §5.3): the stores planned in the previous step are
+submitted first (they were deferred so that offload copies never delay sampling), then the jobs named in
+``flush`` are waited for (their engine blocks are about to be reused), then this step's loads are submitted.
+After the forward pass, this step's stores are queued for the next step. ``report`` collects what finished.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .._generated import JobResult, StepPlan, TransferJob, WorkerReport
+from ..errors import KVOffloadError
+from .copy_engine import CopyEngine
+
+__all__ = ["OffloadWorker"]
+
+
+class OffloadWorker:
+    """Drives one rank's :class:`CopyEngine` from StepPlans and turns its results into WorkerReports.
+
+    A job the engine rejects (bad ids in a plan, a closed engine) is reported as failed instead of raising,
+    so one bad job never takes the worker down.
+    """
+
+    def __init__(self, engine: CopyEngine, *, rank: int) -> None:
+        self.engine = engine
+        self.rank = rank
+        self._deferred_stores: list[TransferJob] = []
+        self._in_flight: set[int] = set()
+        self._failed: list[JobResult] = []
+
+    @property
+    def in_flight(self) -> frozenset[int]:
+        """Jobs submitted to the copy engine and not yet reported."""
+        return frozenset(self._in_flight)
+
+    def start_step(self, plan: StepPlan) -> None:
+        """Before the forward pass: submit deferred stores, honour flushes, then submit this step's loads."""
+        self._submit_deferred()
+        if len(plan.flush):
+            self.engine.wait(plan.flush.tolist())
+        for job in plan.load_jobs:
+            self._submit(job, is_store=False)
+
+    def wait_for_loads(self, plan: StepPlan, timeout: float | None = None) -> None:
+        """Block until this step's loads are done (an engine that needs them before computing calls this)."""
+        self.engine.wait((j.job_id for j in plan.load_jobs), timeout)
+
+    def end_step(self, plan: StepPlan) -> None:
+        """After the forward pass: queue this step's stores; they start at the beginning of the next step."""
+        self._deferred_stores.extend(plan.store_jobs)
+
+    def report(self, step: int) -> WorkerReport:
+        """Jobs finished since the last report (submission order per direction; failures included)."""
+        results = [
+            JobResult(
+                job_id=r.job_id,
+                success=r.success,
+                is_store=r.is_store,
+                num_bytes=r.num_bytes,
+                seconds=r.seconds,
+            )
+            for r in self.engine.poll()
+        ]
+        results.extend(self._failed)
+        self._failed = []
+        for r in results:
+            self._in_flight.discard(r.job_id)
+        return WorkerReport(rank=self.rank, step=step, results=tuple(results))
+
+    def drain(self, step: int, timeout: float | None = None) -> WorkerReport:
+        """Submit what is deferred, wait for everything in flight, and report it (used at shutdown)."""
+        self._submit_deferred()
+        self.engine.wait(set(self._in_flight), timeout)
+        return self.report(step)
+
+    def close(self) -> None:
+        """Stop the copy engine (in-flight copies finish first)."""
+        self.engine.close()
+
+    def _submit_deferred(self) -> None:
+        jobs, self._deferred_stores = self._deferred_stores, []
+        for job in jobs:
+            self._submit(job, is_store=True)
+
+    def _submit(self, job: TransferJob, *, is_store: bool) -> None:
+        submit = self.engine.submit_store if is_store else self.engine.submit_load
+        started = time.perf_counter()
+        try:
+            submit(
+                job.job_id,
+                group_sizes=job.group_sizes.tolist(),
+                block_indices=job.block_indices.tolist(),
+                block_ids=job.block_ids.to_tensor(),
+                chunk_ids=job.chunk_ids.to_tensor(),
+            )
+        except KVOffloadError:
+            self._failed.append(
+                JobResult(
+                    job_id=job.job_id,
+                    success=False,
+                    is_store=is_store,
+                    num_bytes=0,
+                    seconds=time.perf_counter() - started,
+                )
+            )
+            return
+        self._in_flight.add(job.job_id)
