@@ -1,0 +1,213 @@
+"""Entry point of a worker process: handshake, then StepPlans in and WorkerReports out until Shutdown.
+
+A worker builds everything from the engine snapshot it is given: its rank's OffloadingConfig (the
+translator with ``parallel_config.rank`` set), its KV memory (one flat allocation as the snapshot's
+``kv_cache_tensors`` describe), its host pool and copy engine. With ``simulate=True`` it also plays the
+engine's forward pass for the demo: each StepPlan carries two attachments, the blocks to fill with
+deterministic KV and the loaded blocks to verify byte for byte.
+
+A worker never crashes on bad input: a malformed message from the scheduler ends the session with exit
+status 3 (the scheduler then fails the worker's jobs and carries on); a vanished scheduler ends it with 0.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import msgspec
+import torch
+
+from .. import wire
+from .._generated import (
+    EngineSnapshot,
+    Hello,
+    OffloadingConfig,
+    PeerRole,
+    Shutdown,
+    StepPlan,
+    UniformTypeKVCacheSpecs,
+    WorkerReport,
+    codecs,
+)
+from ..errors import KVOffloadError, WireError, WorkerError
+from ..layout import real_page_size_bytes
+from ..offload.copy_engine import CopyEngine, TransferLayout, build_transfer_layout
+from ..offload.host_pool import HostPool, plan_host_pool_from_config
+from ..offload.worker import OffloadWorker
+from ..packed import Int64Array
+from ..translate import translate_snapshot
+from .channel import Channel
+from .sim_engine import fill_blocks, verify_blocks
+
+__all__ = ["WorkerSpec", "build_layout", "run_worker"]
+
+EXIT_BAD_MESSAGE = 3
+_F64 = struct.Struct("<d")
+
+
+class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a worker process is started with (JSON-encoded: nothing crosses the process as pickle)."""
+
+    rank: int
+    world_size: int
+    snapshot_json: str
+    shared_pool_id: str | None = None
+    simulate: bool = False
+    handshake_timeout_s: float = 60.0
+    load_timeout_s: float = 120.0
+    memcpy_probe_bytes: int = 0
+    torch_threads: int = 1
+
+
+def rank_config(snapshot: EngineSnapshot, rank: int) -> tuple[EngineSnapshot, OffloadingConfig]:
+    """The snapshot as seen by ``rank`` and its OffloadingConfig."""
+    engine = snapshot.engine_config
+    ranked = msgspec.structs.replace(
+        snapshot,
+        engine_config=msgspec.structs.replace(
+            engine, parallel_config=msgspec.structs.replace(engine.parallel_config, rank=rank)
+        ),
+    )
+    return ranked, translate_snapshot(ranked)
+
+
+def build_layout(snapshot: EngineSnapshot, config: OffloadingConfig) -> TransferLayout:
+    """The TransferLayout of a worker: each offloaded layer's unpadded page, placed as the snapshot says."""
+    kv = snapshot.kv_cache_config
+    groups: list[list[tuple[str, int]]] = []
+    for group in config.groups:
+        spec = kv.kv_cache_groups[group.group_id].kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            groups.append(
+                [(name, real_page_size_bytes(spec.kv_cache_specs[name])) for name in group.layer_names]
+            )
+        else:
+            page = real_page_size_bytes(spec)
+            groups.append([(name, page) for name in group.layer_names])
+    return build_transfer_layout(
+        kv.kv_cache_tensors,
+        groups,
+        num_blocks=kv.num_blocks,
+        worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
+    )
+
+
+@dataclass
+class _Session:
+    spec: WorkerSpec
+    kv: torch.Tensor
+    layout: TransferLayout
+    pool: HostPool
+    worker: OffloadWorker
+    last_step: int = 0
+
+    def step(self, plan: StepPlan, attachments: tuple[memoryview, ...]) -> tuple[WorkerReport, list[bytes]]:
+        fill: list[tuple[int, int, int]] = []
+        verify: list[tuple[int, int, int, int]] = []
+        if self.spec.simulate:
+            if len(attachments) != 2:
+                raise WireError(
+                    f"a simulated step needs 2 attachments (fill, verify), got {len(attachments)}"
+                )
+            flat = Int64Array.from_buffer(attachments[0]).tolist()
+            fill = [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat) - 2, 3)]
+            flat = Int64Array.from_buffer(attachments[1]).tolist()
+            verify = [(flat[i], flat[i + 1], flat[i + 2], flat[i + 3]) for i in range(0, len(flat) - 3, 4)]
+        self.last_step = plan.step
+        self.worker.start_step(plan)
+        self.worker.wait_for_loads(plan, self.spec.load_timeout_s)
+        report = self.worker.report(plan.step)
+        extras: list[bytes] = []
+        if self.spec.simulate:
+            loaded = {r.job_id for r in report.results if not r.is_store and r.success}
+            checked = [(g, b, s) for job, g, b, s in verify if job in loaded]
+            bad = verify_blocks(self.kv, self.layout, self.spec.rank, checked)
+            fill_blocks(self.kv, self.layout, self.spec.rank, fill)
+            extras.append(Int64Array([len(checked), len(bad), *bad[:16]]).tobytes())
+        self.worker.end_step(plan)
+        return report, extras
+
+    def finish(self) -> tuple[WorkerReport, list[bytes]]:
+        report = self.worker.drain(self.last_step, self.spec.load_timeout_s)
+        return report, [_F64.pack(_memcpy_gbps(self.spec.memcpy_probe_bytes))]
+
+    def close(self) -> None:
+        self.worker.close()
+        self.pool.close()
+
+
+def _memcpy_gbps(nbytes: int) -> float:
+    """Bandwidth of one plain torch copy of ``nbytes`` (best of three): what our copies are compared to."""
+    if nbytes <= 0:
+        return 0.0
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(7)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best / 1e9
+
+
+def _open_session(spec: WorkerSpec) -> _Session:
+    snapshot = codecs.decode_engine_snapshot_json(spec.snapshot_json)
+    ranked, config = rank_config(snapshot, spec.rank)
+    layout = build_layout(ranked, config)
+    kv = torch.zeros(layout.engine_bytes, dtype=torch.uint8)
+    pool = HostPool(plan_host_pool_from_config(config), engine_id=spec.shared_pool_id)
+    try:
+        engine = CopyEngine(kv, layout, pool, cpu_threads=spec.torch_threads)
+    except BaseException:
+        pool.close()
+        raise
+    return _Session(spec=spec, kv=kv, layout=layout, pool=pool, worker=OffloadWorker(engine, rank=spec.rank))
+
+
+def run_worker(conn: Connection, spec_json: bytes) -> None:
+    """Process entry: serve one scheduler until Shutdown or until it goes away."""
+    spec = msgspec.json.decode(spec_json, type=WorkerSpec)
+    torch.set_num_threads(max(1, spec.torch_threads))
+    channel = Channel(conn)
+    session: _Session | None = None
+    status = 0
+    try:
+        first = channel.recv(spec.handshake_timeout_s).message
+        if not isinstance(first, Hello):
+            raise WireError(f"expected Hello first, got {type(first).__name__}")
+        snapshot = codecs.decode_engine_snapshot_json(spec.snapshot_json)
+        transfer = snapshot.engine_config.kv_transfer_config
+        engine_id = (transfer.engine_id if transfer else None) or "kvoffload"
+        local = wire.make_hello(PeerRole.WORKER, spec.rank, spec.world_size, engine_id)
+        channel.send(local)
+        wire.check_hello(local, first)
+        session = _open_session(spec)
+        while True:
+            decoded = channel.recv(None)
+            message = decoded.message
+            if isinstance(message, Shutdown):
+                report, extras = session.finish()
+                channel.send(report, extras)
+                break
+            if not isinstance(message, StepPlan):
+                raise WireError(f"unexpected {type(message).__name__} from the scheduler")
+            report, extras = session.step(message, decoded.attachments)
+            channel.send(report, extras)
+    except WorkerError:
+        status = 0  # the scheduler went away: nothing left to serve
+    except (WireError, KVOffloadError, TimeoutError) as exc:
+        print(f"kvoffload worker {spec.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        status = EXIT_BAD_MESSAGE
+    finally:
+        if session is not None:
+            session.close()
+        channel.close()
+    if status:
+        sys.stderr.flush()
+        os._exit(status)
