@@ -62,9 +62,9 @@ class Channel:
 
     def _recv_frame(self, timeout: float | None, *, what: str) -> bytes:
         try:
-            if timeout is not None and not self.conn.poll(timeout):
-                raise TimeoutError(f"no {what} within {timeout}s")
-            return self.conn.recv_bytes(self.max_frame_bytes)
+            ready = timeout is None or self.conn.poll(timeout)
+            if ready:
+                return self.conn.recv_bytes(self.max_frame_bytes)
         except (EOFError, ConnectionError, BrokenPipeError) as exc:
             raise WorkerError(f"peer hung up ({what}): {exc or 'EOF'}") from None
         except OSError as exc:
@@ -72,6 +72,7 @@ class Channel:
             raise WireError(
                 f"{what} is larger than {self.max_frame_bytes} bytes or unreadable: {exc}"
             ) from None
+        raise TimeoutError(f"no {what} within {timeout}s")
 
     def close(self) -> None:
         """Close the connection."""

@@ -10,6 +10,7 @@ orphan processes or shared-memory files.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import uuid
@@ -23,6 +24,7 @@ import msgspec
 from .. import wire
 from .._generated import EngineSnapshot, Hello, PeerRole, Shutdown, StepPlan, WorkerReport, codecs
 from ..errors import ConfigError, WireError, WorkerError
+from ..offload.host_pool import shared_pool_path
 from .channel import Channel
 from .worker_process import WorkerSpec, run_worker
 
@@ -66,6 +68,7 @@ class WorkerCluster:
         self.start_timeout_s = start_timeout_s
         threads = torch_threads or max(1, (os.cpu_count() or 1) // self.world_size)
         pool_id = f"{self.engine_id}-{uuid.uuid4().hex[:12]}" if shared_pool else None
+        self._pool_id = pool_id
         snapshot_json = codecs.encode_engine_snapshot_json(snapshot).decode()
         self._specs = [
             WorkerSpec(
@@ -113,8 +116,17 @@ class WorkerCluster:
                     raise WireError(f"worker {rank} answered the handshake with {type(reply).__name__}")
                 self.handshakes[rank] = wire.check_hello(local, reply)
         except BaseException:
+            self._unlink_pool()
             self.close(timeout_s=5.0)
             raise
+        # Every worker replied after mapping the shared pool: its name is no longer needed, and removing it
+        # now means no file is left behind whatever happens to the processes later.
+        self._unlink_pool()
+
+    def _unlink_pool(self) -> None:
+        if self._pool_id is not None:
+            with contextlib.suppress(FileNotFoundError):
+                shared_pool_path(self._pool_id).unlink()
 
     def _recv(self, rank: int, timeout: float) -> wire.Decoded:
         """Receive from one worker, turning a death while waiting into WorkerError with its exit code."""
@@ -201,6 +213,7 @@ class WorkerCluster:
             self._channels[rank].close()
         self._procs.clear()
         self._channels.clear()
+        self._unlink_pool()
         return ClusterStep(tuple(reports), extras, tuple(newly_dead))
 
     def __enter__(self) -> WorkerCluster:

@@ -30,13 +30,11 @@ from .._generated import (
     PeerRole,
     Shutdown,
     StepPlan,
-    UniformTypeKVCacheSpecs,
     WorkerReport,
     codecs,
 )
 from ..errors import KVOffloadError, WireError, WorkerError
-from ..layout import real_page_size_bytes
-from ..offload.copy_engine import CopyEngine, TransferLayout, build_transfer_layout
+from ..offload.copy_engine import CopyEngine, TransferLayout, transfer_layout_from_config
 from ..offload.host_pool import HostPool, plan_host_pool_from_config
 from ..offload.worker import OffloadWorker
 from ..packed import Int64Array
@@ -44,7 +42,7 @@ from ..translate import translate_snapshot
 from .channel import Channel
 from .sim_engine import fill_blocks, verify_blocks
 
-__all__ = ["WorkerSpec", "build_layout", "run_worker"]
+__all__ = ["WorkerSpec", "rank_config", "run_worker"]
 
 EXIT_BAD_MESSAGE = 3
 _F64 = struct.Struct("<d")
@@ -74,27 +72,6 @@ def rank_config(snapshot: EngineSnapshot, rank: int) -> tuple[EngineSnapshot, Of
         ),
     )
     return ranked, translate_snapshot(ranked)
-
-
-def build_layout(snapshot: EngineSnapshot, config: OffloadingConfig) -> TransferLayout:
-    """The TransferLayout of a worker: each offloaded layer's unpadded page, placed as the snapshot says."""
-    kv = snapshot.kv_cache_config
-    groups: list[list[tuple[str, int]]] = []
-    for group in config.groups:
-        spec = kv.kv_cache_groups[group.group_id].kv_cache_spec
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            groups.append(
-                [(name, real_page_size_bytes(spec.kv_cache_specs[name])) for name in group.layer_names]
-            )
-        else:
-            page = real_page_size_bytes(spec)
-            groups.append([(name, page) for name in group.layer_names])
-    return build_transfer_layout(
-        kv.kv_cache_tensors,
-        groups,
-        num_blocks=kv.num_blocks,
-        worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
-    )
 
 
 @dataclass
@@ -159,7 +136,7 @@ def _memcpy_gbps(nbytes: int) -> float:
 def _open_session(spec: WorkerSpec) -> _Session:
     snapshot = codecs.decode_engine_snapshot_json(spec.snapshot_json)
     ranked, config = rank_config(snapshot, spec.rank)
-    layout = build_layout(ranked, config)
+    layout = transfer_layout_from_config(ranked.kv_cache_config, config)
     kv = torch.zeros(layout.engine_bytes, dtype=torch.uint8)
     pool = HostPool(plan_host_pool_from_config(config), engine_id=spec.shared_pool_id)
     try:
@@ -185,9 +162,14 @@ def run_worker(conn: Connection, spec_json: bytes) -> None:
         transfer = snapshot.engine_config.kv_transfer_config
         engine_id = (transfer.engine_id if transfer else None) or "kvoffload"
         local = wire.make_hello(PeerRole.WORKER, spec.rank, spec.world_size, engine_id)
-        channel.send(local)
-        wire.check_hello(local, first)
+        try:
+            wire.check_hello(local, first)
+        except WireError:
+            channel.send(local)  # let the scheduler name both versions too
+            raise
+        # Reply only once ready: after the handshake every worker has mapped the shared pool.
         session = _open_session(spec)
+        channel.send(local)
         while True:
             decoded = channel.recv(None)
             message = decoded.message

@@ -1,0 +1,137 @@
+"""Store/load throughput of the CopyEngine against one plain ``copy_`` of the same bytes, side by side.
+
+For each page size (default 32 KB, 256 KB, 2 MB) the engine memory is laid out layer-major (``--layers``
+layers, each ``(num_blocks, page)``, the default vLLM layout), a job moves about ``--total-mib`` MiB of
+randomly chosen engine blocks to/from randomly chosen host chunks, and each repeat times one plain
+``copy_`` of the same total bytes right before the job (engine→host for stores, host→engine for loads).
+Reported: best-of-repeats GB/s for both and their ratio. Runs on CUDA when available (engine memory on the
+GPU, pinned host pool), else on CPU.
+
+    python benchmarks/transfer.py [--pages 32K,256K,2M] [--total-mib 256] [--layers 4] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from kvoffload.offload.copy_engine import CopyEngine, Placement, build_transfer_layout
+from kvoffload.offload.host_pool import HostPool, plan_host_pool
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B")
+    if text and text[-1] in _UNITS:
+        return int(float(text[:-1]) * _UNITS[text[-1]])
+    return int(text)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], None], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _plain_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src, non_blocking=True)
+
+
+def _job(
+    engine: CopyEngine, job_id: int, is_store: bool, block_ids: torch.Tensor, chunk_ids: torch.Tensor
+) -> None:
+    submit = engine.submit_store if is_store else engine.submit_load
+    submit(
+        job_id, group_sizes=[block_ids.numel()], block_indices=[0], block_ids=block_ids, chunk_ids=chunk_ids
+    )
+    engine.wait([job_id])
+
+
+def bench_page(page: int, args: argparse.Namespace, device: torch.device) -> list[tuple[str, float, float]]:
+    """Return ``(direction, ours GB/s, copy_ GB/s)`` for one page size."""
+    layers, bpc = args.layers, args.blocks_per_chunk
+    block_bytes = layers * page
+    job_blocks = max(bpc, (args.total_mib << 20) // block_bytes // bpc * bpc)
+    num_blocks = 2 * job_blocks
+    total = job_blocks * block_bytes
+    size = num_blocks * block_bytes
+    names = tuple(f"layer{i}" for i in range(layers))
+    placement = Placement(size=size, layers=names, layer_stride=num_blocks * page, block_stride=page)
+    layout = build_transfer_layout(
+        [placement],
+        [[(n, page) for n in names]],
+        num_blocks=num_blocks,
+        worker_kv_bytes_per_block=block_bytes,
+    )
+    plan = plan_host_pool(
+        worker_kv_bytes_per_block=block_bytes,
+        world_size=1,
+        blocks_per_chunk=bpc,
+        cpu_bytes_to_use=2 * job_blocks * block_bytes + (1 << 20),
+        replicated=False,
+        rank=0,
+    )
+    kv = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device)
+    pool = HostPool(plan)
+    pool.rows.fill_(1)  # fault the pages in before timing
+    engine_side = torch.randint(0, 256, (total,), dtype=torch.uint8, device=device)
+    host_side = torch.empty(total, dtype=torch.uint8, pin_memory=pool.is_pinned)
+    host_side.fill_(1)
+    out: list[tuple[str, float, float]] = []
+    with pool, CopyEngine(kv, layout, pool, cpu_threads=args.threads) as engine:
+        job = 0
+        for is_store in (True, False):
+            ours = base = float("inf")
+            for _ in range(args.repeats):
+                block_ids = torch.randperm(num_blocks)[:job_blocks]
+                chunk_ids = torch.randperm(plan.num_chunks)[: job_blocks // bpc]
+                src, dst = (engine_side, host_side) if is_store else (host_side, engine_side)
+                base = min(base, _timed(partial(_plain_copy, dst, src), device))
+                job += 1
+
+                ours = min(ours, _timed(partial(_job, engine, job, is_store, block_ids, chunk_ids), device))
+                (result,) = engine.poll()
+                if not result.success or result.num_bytes != total:
+                    raise SystemExit(f"job {job} failed: {result}")
+            out.append(("store" if is_store else "load", total / ours / 1e9, total / base / 1e9))
+    return out
+
+
+def main() -> None:
+    """Parse the arguments, run every page size and print the table."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--pages", default="32K,256K,2M", help="comma-separated page sizes")
+    parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement, MiB")
+    parser.add_argument("--layers", type=int, default=4, help="layers (pages per block)")
+    parser.add_argument("--blocks-per-chunk", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="CPU copy threads (default: engine's)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(
+        f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} layers={args.layers} "
+        f"blocks_per_chunk={args.blocks_per_chunk} total={args.total_mib} MiB, best of {args.repeats}"
+    )
+    print(f"{'page':>8} {'direction':>9} {'ours GB/s':>10} {'copy_ GB/s':>11} {'ratio':>6}")
+    for text in args.pages.split(","):
+        page = _parse_size(text)
+        for direction, ours, base in bench_page(page, args, device):
+            print(f"{text:>8} {direction:>9} {ours:10.2f} {base:11.2f} {ours / base:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,470 @@
+"""Host memory for offloaded KV chunks: sizing (:func:`plan_host_pool`) and allocation (:class:`HostPool`).
+
+The pool is ONE ``uint8`` torch tensor of chunk rows. A row holds one chunk: for every worker sharing the row
+a *slot* of ``worker_kv_bytes_per_block * blocks_per_chunk`` bytes, where sub-block ``j`` of the slot holds
+engine block ``j`` of the chunk. Sizing follows vLLM 0.33's CPU offloading spec (reference §4.3); the optional
+shared-memory backing follows its shared offload region (§4.7): one file under ``/dev/shm`` that every rank
+maps, so a replicated layout keeps one copy of the cache for all ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import re
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from kvoffload.errors import ConfigError, HostMemoryError, InvalidStateError, WorkerError
+
+if TYPE_CHECKING:
+    from kvoffload._generated import OffloadingConfig
+
+__all__ = [
+    "PAGE_SIZE",
+    "HostPool",
+    "HostPoolPlan",
+    "available_host_memory_bytes",
+    "plan_host_pool",
+    "plan_host_pool_from_config",
+    "shared_pool_path",
+]
+
+PAGE_SIZE = mmap.PAGESIZE
+"""Plan rows are rounded up to this many bytes (the OS page size, vLLM's ``BLOCK_SIZE_ALIGNMENT``)."""
+
+_SAFE_ENGINE_ID = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+_JOIN_POLL_S = 0.005
+
+
+def _cudart() -> Any:
+    """torch's CUDA runtime bindings (untyped in torch)."""
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class HostPoolPlan:
+    """How big the host pool is and where this rank's slot lives in each chunk row (reference §4.3).
+
+    ``slot_bytes`` is the per-worker slot (``worker_kv_bytes_per_block * blocks_per_chunk``); ``row_bytes``
+    is the page-rounded width of a row holding ``copies`` slots back to back; ``num_chunks`` rows fit in the
+    total budget ``cpu_bytes_to_use`` (shared by all workers). ``slot_offset`` is where this rank's slot
+    starts inside a row of a shared region; ``writes`` says whether this rank writes stores into a shared
+    region (in a replicated layout only rank 0 does, every rank reads).
+    """
+
+    worker_kv_bytes_per_block: int
+    blocks_per_chunk: int
+    world_size: int
+    rank: int
+    replicated: bool
+    cpu_bytes_to_use: int
+    copies: int
+    slot_bytes: int
+    row_bytes: int
+    num_chunks: int
+    slot_offset: int
+    writes: bool
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the whole (shared) pool: ``num_chunks * row_bytes``."""
+        return self.num_chunks * self.row_bytes
+
+    def slot_offset_of(self, rank: int) -> int:
+        """Byte offset of ``rank``'s slot inside a shared row (0 for every rank when replicated)."""
+        _check_rank(rank, self.world_size)
+        return 0 if self.replicated else rank * self.slot_bytes
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank={rank} must be in [0, world_size={world_size})")
+
+
+def plan_host_pool(
+    *,
+    worker_kv_bytes_per_block: int,
+    world_size: int,
+    blocks_per_chunk: int,
+    cpu_bytes_to_use: int,
+    replicated: bool,
+    rank: int,
+) -> HostPoolPlan:
+    """Size the host pool from the TOTAL host budget ``cpu_bytes_to_use`` (all workers together).
+
+    Exactly vLLM 0.33's rule: ``copies = 1 if replicated else world_size``; ``raw_chunk =
+    worker_kv_bytes_per_block * copies * blocks_per_chunk``; ``slot_bytes = raw_chunk // copies``;
+    ``row_bytes = round_up(raw_chunk, PAGE_SIZE)``; ``num_chunks = cpu_bytes_to_use // row_bytes``; all
+    zero when ``worker_kv_bytes_per_block`` is 0. Raises :class:`ConfigError` for out-of-range inputs and
+    :class:`HostMemoryError` when the budget cannot hold a single chunk row.
+    """
+    for name, value, low in (
+        ("worker_kv_bytes_per_block", worker_kv_bytes_per_block, 0),
+        ("world_size", world_size, 1),
+        ("blocks_per_chunk", blocks_per_chunk, 1),
+    ):
+        if value < low:
+            raise ConfigError(f"{name}={value} must be >= {low}")
+    _check_rank(rank, world_size)
+    if cpu_bytes_to_use <= 0:
+        raise ConfigError(
+            f"cpu_bytes_to_use={cpu_bytes_to_use} must be > 0: it is the total host budget in bytes "
+            f"across all {world_size} workers"
+        )
+    copies = 1 if replicated else world_size
+    if worker_kv_bytes_per_block == 0:
+        slot_bytes = row_bytes = num_chunks = 0
+    else:
+        raw_chunk = worker_kv_bytes_per_block * copies * blocks_per_chunk
+        slot_bytes = raw_chunk // copies
+        row_bytes = _round_up(raw_chunk, PAGE_SIZE)
+        num_chunks = cpu_bytes_to_use // row_bytes
+        if num_chunks == 0:
+            raise HostMemoryError(
+                f"cpu_bytes_to_use={cpu_bytes_to_use} (the total host budget across all {world_size} "
+                f"workers) is smaller than one chunk row of row_bytes={row_bytes} "
+                f"(worker_kv_bytes_per_block={worker_kv_bytes_per_block} x copies={copies} x "
+                f"blocks_per_chunk={blocks_per_chunk}, rounded up to {PAGE_SIZE})"
+            )
+    return HostPoolPlan(
+        worker_kv_bytes_per_block=worker_kv_bytes_per_block,
+        blocks_per_chunk=blocks_per_chunk,
+        world_size=world_size,
+        rank=rank,
+        replicated=replicated,
+        cpu_bytes_to_use=cpu_bytes_to_use,
+        copies=copies,
+        slot_bytes=slot_bytes,
+        row_bytes=row_bytes,
+        num_chunks=num_chunks,
+        slot_offset=0 if replicated else rank * slot_bytes,
+        writes=not replicated or rank == 0,
+    )
+
+
+def plan_host_pool_from_config(config: OffloadingConfig) -> HostPoolPlan:
+    """:func:`plan_host_pool` for this worker of an :class:`OffloadingConfig`.
+
+    The budget is ``extra_config["cpu_bytes_to_use"]``, the total host bytes across all workers.
+    """
+    raw = config.extra_config.get("cpu_bytes_to_use")
+    if not raw:
+        raise ConfigError(
+            f"cpu_bytes_to_use={raw!r}: it must be specified in kv_connector_extra_config (the total host "
+            f"budget in bytes across all {config.parallel.world_size} workers)"
+        )
+    try:
+        if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+            raise TypeError(type(raw).__name__)
+        budget = int(raw)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"cpu_bytes_to_use={raw!r} is not a number of bytes") from exc
+    return plan_host_pool(
+        worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
+        world_size=config.parallel.world_size,
+        blocks_per_chunk=config.cache.blocks_per_chunk,
+        cpu_bytes_to_use=budget,
+        replicated=config.replicated_layout,
+        rank=config.parallel.rank,
+    )
+
+
+def available_host_memory_bytes() -> int:
+    """Host memory the kernel could hand out now: ``MemAvailable`` when readable, else free physical pages."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo", encoding="ascii") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def shared_pool_path(engine_id: str, shm_dir: str | os.PathLike[str] = "/dev/shm") -> Path:
+    """Path of the shared-memory file that every rank of engine ``engine_id`` maps."""
+    if not _SAFE_ENGINE_ID.fullmatch(engine_id):
+        raise ConfigError(
+            f"engine_id={engine_id!r} cannot name a shared-memory file: use 1-200 characters from "
+            "[A-Za-z0-9_.-]"
+        )
+    return Path(shm_dir) / f"kvoffload_{engine_id}.mmap"
+
+
+def _check_fits(what: str, requested: int, available: int, plan: HostPoolPlan, row_bytes: int) -> None:
+    if requested > available:
+        raise HostMemoryError(
+            f"host pool needs {requested} bytes (num_chunks={plan.num_chunks} x row_bytes={row_bytes}) but "
+            f"only {available} bytes of {what} are available; lower cpu_bytes_to_use "
+            f"(={plan.cpu_bytes_to_use}, the total across all {plan.world_size} workers)"
+        )
+
+
+class _Resources:
+    """What a pool must release: kept apart from :class:`HostPool` so ``weakref.finalize`` can run it."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self.path: Path | None = None
+        self.owns_file = False  # created the file and has not removed it yet
+        self.created = False
+        self.registered_ptr: int | None = None
+
+    def unlink(self) -> None:
+        if self.owns_file and self.path is not None:
+            self.owns_file = False
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    def release(self) -> None:
+        if self.registered_ptr is not None:
+            with contextlib.suppress(Exception):
+                _cudart().cudaHostUnregister(self.registered_ptr)
+            self.registered_ptr = None
+        self.unlink()
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+
+
+class HostPool:
+    """The host-side KV pool: ``num_chunks`` rows of ``uint8``, optionally pinned and/or shared.
+
+    Private pool (``engine_id=None``): a tensor of shape ``(num_chunks, plan.slot_bytes)`` holding only this
+    worker's slot (its share of the total budget). Shared pool (``engine_id`` given): a file
+    ``/dev/shm/kvoffload_{engine_id}.mmap`` of ``num_chunks * plan.row_bytes`` bytes mapped by every rank;
+    the first rank to create it (``O_CREAT|O_EXCL``) sizes it, the others wait up to ``join_timeout_s`` for
+    that and map it. The creator removes the file on :meth:`close`, on exit, or earlier via :meth:`unlink`
+    once every rank has mapped it. ``pin_memory="auto"`` pins when CUDA is available.
+    """
+
+    def __init__(
+        self,
+        plan: HostPoolPlan,
+        *,
+        engine_id: str | None = None,
+        pin_memory: bool | Literal["auto"] = "auto",
+        check_memory: bool = True,
+        join_timeout_s: float = 30.0,
+        shm_dir: str | os.PathLike[str] = "/dev/shm",
+    ) -> None:
+        if pin_memory not in (True, False, "auto"):
+            raise ConfigError(f"pin_memory={pin_memory!r} must be True, False or 'auto'")
+        cuda = torch.cuda.is_available()
+        if pin_memory is True and not cuda:
+            raise ConfigError("pin_memory=True needs CUDA, but torch.cuda.is_available() is False")
+        want_pin = cuda if pin_memory == "auto" else bool(pin_memory)
+        self._plan = plan
+        self._res = _Resources()
+        self._finalizer = weakref.finalize(self, self._res.release)
+        self._closed = False
+        self._pinned = False
+        if engine_id is None:
+            self._row_bytes = plan.slot_bytes
+            self._slot_offset = 0
+            requested = plan.num_chunks * self._row_bytes
+            if check_memory:
+                _check_fits("host memory", requested, available_host_memory_bytes(), plan, self._row_bytes)
+            shape = (plan.num_chunks, self._row_bytes)
+            self._rows = torch.zeros(shape, dtype=torch.uint8, pin_memory=want_pin)
+            self._pinned = want_pin
+        else:
+            self._row_bytes = plan.row_bytes
+            self._slot_offset = plan.slot_offset
+            self._res.path = shared_pool_path(engine_id, shm_dir)
+            self._rows = self._map_shared(self._res.path, check_memory, join_timeout_s)
+            if want_pin and self._rows.numel() > 0:
+                self._pinned = self._register(self._rows)
+
+    # -- construction helpers -------------------------------------------------------------------------
+
+    def _map_shared(self, path: Path, check_memory: bool, join_timeout_s: float) -> torch.Tensor:
+        res, plan = self._res, self._plan
+        total = plan.total_bytes
+        if total == 0:
+            return torch.zeros((plan.num_chunks, self._row_bytes), dtype=torch.uint8)
+        deadline = time.monotonic() + join_timeout_s
+        while True:
+            try:
+                res.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                res.owns_file = res.created = True
+                break
+            except FileExistsError:
+                try:
+                    res.fd = os.open(path, os.O_RDWR)
+                    break
+                except FileNotFoundError:  # the creator gave up between our two opens: try to create again
+                    if time.monotonic() > deadline:
+                        raise WorkerError(f"timed out creating or joining shared host pool {path}") from None
+                    time.sleep(_JOIN_POLL_S)
+        try:
+            if res.owns_file:
+                if check_memory:
+                    st = os.statvfs(path.parent)
+                    _check_fits(
+                        f"free space in {path.parent}",
+                        total,
+                        st.f_bavail * st.f_frsize,
+                        plan,
+                        self._row_bytes,
+                    )
+                    _check_fits("host memory", total, available_host_memory_bytes(), plan, self._row_bytes)
+                os.ftruncate(res.fd, total)
+            else:
+                self._wait_for_creator(res.fd, path, total, deadline, join_timeout_s)
+            mapping = mmap.mmap(res.fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            res.release()
+            raise
+        # The tensor (and every view of it) holds the mmap object: the region is unmapped when the last
+        # view dies, never under a live view (so a copy engine may outlive close()).
+        return torch.frombuffer(mapping, dtype=torch.uint8).view(plan.num_chunks, self._row_bytes)
+
+    @staticmethod
+    def _wait_for_creator(fd: int, path: Path, total: int, deadline: float, join_timeout_s: float) -> None:
+        while True:
+            st = os.fstat(fd)
+            if st.st_nlink == 0:
+                raise WorkerError(f"the creator of shared host pool {path} removed it before sizing it")
+            if st.st_size == total:
+                return
+            if st.st_size > total:
+                raise WorkerError(
+                    f"shared host pool {path} has {st.st_size} bytes but this rank's plan needs {total}: "
+                    "ranks disagree on the host pool plan (or a stale file was left behind)"
+                )
+            if time.monotonic() > deadline:
+                raise WorkerError(
+                    f"timed out after {join_timeout_s}s waiting for the creator to size shared host pool "
+                    f"{path} (size {st.st_size}, expected {total})"
+                ) from TimeoutError(errno.ETIMEDOUT, str(path))
+            time.sleep(_JOIN_POLL_S)
+
+    def _register(self, rows: torch.Tensor) -> bool:
+        """Pin an mmap'ed region with ``cudaHostRegister``; stay pageable (False) if the driver refuses."""
+        ptr = rows.data_ptr()
+        try:
+            err = _cudart().cudaHostRegister(ptr, rows.numel(), 0)
+        except Exception:
+            return False
+        if int(err) != 0:
+            return False
+        self._res.registered_ptr = ptr
+        return True
+
+    # -- views and properties -------------------------------------------------------------------------
+
+    def _live(self) -> torch.Tensor:
+        if self._closed:
+            raise InvalidStateError("the host pool is closed")
+        return self._rows
+
+    @property
+    def plan(self) -> HostPoolPlan:
+        """The sizing this pool was built from."""
+        return self._plan
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """All chunk rows, ``(num_chunks, row_bytes)`` ``uint8``."""
+        return self._live()
+
+    @property
+    def num_chunks(self) -> int:
+        """Number of chunk rows."""
+        return self._plan.num_chunks
+
+    @property
+    def row_bytes(self) -> int:
+        """Width of a row of :attr:`rows`: ``plan.row_bytes`` if shared, ``plan.slot_bytes`` if private."""
+        return self._row_bytes
+
+    @property
+    def slot_offset(self) -> int:
+        """Where this rank's slot starts inside a row of :attr:`rows`."""
+        return self._slot_offset
+
+    @property
+    def is_shared(self) -> bool:
+        """Whether the pool lives in a shared-memory file."""
+        return self._res.path is not None
+
+    @property
+    def is_creator(self) -> bool:
+        """Whether this process created (and will remove) the shared-memory file."""
+        return self._res.created
+
+    @property
+    def path(self) -> Path | None:
+        """The shared-memory file, or None for a private pool."""
+        return self._res.path
+
+    @property
+    def is_pinned(self) -> bool:
+        """Whether the rows are page-locked for fast asynchronous device copies."""
+        return self._pinned
+
+    @property
+    def writes(self) -> bool:
+        """Whether stores from this rank must write: always for a private pool, ``plan.writes`` if shared."""
+        return self._plan.writes or not self.is_shared
+
+    def slot_rows(self, rank: int | None = None) -> torch.Tensor:
+        """``(num_chunks, slot_bytes)`` view of ``rank``'s slot (default: this rank's)."""
+        rows = self._live()
+        plan = self._plan
+        if rank is None or rank == plan.rank:
+            start = self._slot_offset
+        elif self.is_shared:
+            start = plan.slot_offset_of(rank)
+        else:
+            raise ConfigError(f"rank={rank}: a private pool holds only rank {plan.rank}'s slot")
+        return rows[:, start : start + plan.slot_bytes]
+
+    def rows_int64(self) -> torch.Tensor:
+        """:attr:`rows` viewed as ``int64`` (fast for torch index ops); needs ``row_bytes % 8 == 0``."""
+        return _as_int64(self._live(), "row_bytes", self._row_bytes)
+
+    def slot_rows_int64(self, rank: int | None = None) -> torch.Tensor:
+        """:meth:`slot_rows` viewed as ``int64``; needs ``slot_bytes % 8 == 0``."""
+        return _as_int64(self.slot_rows(rank), "slot_bytes", self._plan.slot_bytes)
+
+    # -- lifetime -------------------------------------------------------------------------------------
+
+    def unlink(self) -> None:
+        """Remove the shared file now (creator only) while keeping the mapping; no-op otherwise."""
+        self._res.unlink()
+
+    def close(self) -> None:
+        """Release the pool: unpin, close the file and remove it if this process created it.
+
+        Close the :class:`~kvoffload.offload.copy_engine.CopyEngine` using the pool first. Shared memory is
+        unmapped once the last tensor view of it is gone, never under a live view.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._rows = torch.empty((0, 0), dtype=torch.uint8)
+        self._finalizer()
+
+    def __enter__(self) -> HostPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _as_int64(view: torch.Tensor, field: str, width: int) -> torch.Tensor:
+    if width % 8:
+        raise ConfigError(f"{field}={width} is not a multiple of 8, so the pool has no int64 view")
+    return view.view(torch.int64)
