@@ -2,9 +2,14 @@
 
 The public API is what this module exports (see ``__all__``): the schema types generated from
 ``schema/kvoffload.toml``, their codecs, the translator, the wire protocol, the scheduler-side manager
-and the torch worker backend.
+and the torch worker backend. Importing kvoffload does not import torch: the torch-backed names
+(``HostPool``, ``CopyEngine``, ``OffloadWorker``, ``WorkerCluster``, ...) load on first use, so a
+scheduler process stays light.
 """
 
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+
+from . import wire
 from ._generated import (
     SCHEMA_FINGERPRINT,
     SCHEMA_VERSION,
@@ -65,7 +70,51 @@ from .errors import (
     WireError,
     WorkerError,
 )
+from .offload.keys import hash_token_blocks, make_offload_key
+from .offload.manager import HostBlockManager, LookupResult, ManagerStats, OffloadEvent, StorePlan
+from .offload.policy import register_policy
+from .offload.scheduler import OffloadScheduler, ReportOutcome, SchedulerStats
 from .packed import Int32Array, Int64Array
+from .translate import (
+    Decision,
+    Explanation,
+    build_offloading_config,
+    explain_offloading_config,
+    load_snapshot,
+    translate_snapshot,
+)
+
+if _TYPE_CHECKING:
+    from .offload.copy_engine import CopyEngine, TransferLayout, TransferResult, transfer_layout_from_config
+    from .offload.host_pool import HostPool, HostPoolPlan, plan_host_pool, plan_host_pool_from_config
+    from .offload.worker import OffloadWorker
+    from .runtime.cluster import WorkerCluster
+
+_LAZY = {
+    "CopyEngine": "kvoffload.offload.copy_engine",
+    "TransferLayout": "kvoffload.offload.copy_engine",
+    "TransferResult": "kvoffload.offload.copy_engine",
+    "transfer_layout_from_config": "kvoffload.offload.copy_engine",
+    "HostPool": "kvoffload.offload.host_pool",
+    "HostPoolPlan": "kvoffload.offload.host_pool",
+    "plan_host_pool": "kvoffload.offload.host_pool",
+    "plan_host_pool_from_config": "kvoffload.offload.host_pool",
+    "OffloadWorker": "kvoffload.offload.worker",
+    "WorkerCluster": "kvoffload.runtime.cluster",
+}
+
+
+def __getattr__(name: str) -> object:
+    """Load the torch-backed public names on first use."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvoffload' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __version__ = "0.1.0"
 
@@ -80,12 +129,18 @@ __all__ = [
     "CacheDType",
     "ChunkedLocalAttentionSpec",
     "ConfigError",
+    "CopyEngine",
     "DType",
+    "Decision",
     "EngineConfig",
     "EngineSnapshot",
+    "Explanation",
     "FullAttentionSpec",
     "Hello",
+    "HostBlockManager",
     "HostMemoryError",
+    "HostPool",
+    "HostPoolPlan",
     "Int32Array",
     "Int64Array",
     "InvalidStateError",
@@ -101,11 +156,16 @@ __all__ = [
     "KVOffloadError",
     "KVQuantMode",
     "KVTransferConfig",
+    "LookupResult",
     "MLAAttentionSpec",
     "MambaSpec",
+    "ManagerStats",
     "Medium",
     "Message",
     "ModelConfig",
+    "OffloadEvent",
+    "OffloadScheduler",
+    "OffloadWorker",
     "OffloadingCacheConfig",
     "OffloadingConfig",
     "OffloadingConfigError",
@@ -114,19 +174,36 @@ __all__ = [
     "OffloadingParallelConfig",
     "ParallelConfig",
     "PeerRole",
+    "ReportOutcome",
+    "SchedulerStats",
     "SchemaMismatchError",
     "Shutdown",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",
     "SparseCacheRole",
     "StepPlan",
+    "StorePlan",
     "TransferError",
     "TransferJob",
+    "TransferLayout",
+    "TransferResult",
     "UniformTypeKVCacheSpecs",
     "VerificationError",
     "WireError",
+    "WorkerCluster",
     "WorkerError",
     "WorkerReport",
     "__version__",
+    "build_offloading_config",
     "codecs",
+    "explain_offloading_config",
+    "hash_token_blocks",
+    "load_snapshot",
+    "make_offload_key",
+    "plan_host_pool",
+    "plan_host_pool_from_config",
+    "register_policy",
+    "transfer_layout_from_config",
+    "translate_snapshot",
+    "wire",
 ]

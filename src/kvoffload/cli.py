@@ -1,0 +1,336 @@
+"""The ``kvoffload`` command: translate engine snapshots and print the schema.
+
+Subcommands (one ``_add_<name>`` parser builder and one ``_run_<name>`` handler each, wired in
+:func:`_build_parser`, so a new subcommand is two functions and one line there):
+
+* ``kvoffload translate FILE.json|FILE.toml [--explain] [--format json|toml]`` prints the OffloadingConfig
+  with vLLM 0.33's field names (pretty JSON by default).
+* ``kvoffload schema [--json-schema | --version]`` prints the JSON Schema of an engine snapshot, or the schema
+  version and fingerprint.
+* ``kvoffload demo [--workers N] [--requests N] [--cpu-bytes SIZE] [--policy lru|arc] [--snapshot FILE]`` runs
+  the verified multi-process offloading demo (the main job); it exits 1 when any reloaded block mismatches.
+
+Invalid input and translator rejections exit with status 2 and one ``error: …`` line on stderr (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+
+import msgspec
+
+from ._generated import SCHEMA_FINGERPRINT, SCHEMA_VERSION, codecs
+from ._generated.types import EngineSnapshot, OffloadingConfig
+from .errors import ConfigError
+from .translate import describe_error, explain_snapshot, load_snapshot
+
+__all__ = ["main"]
+
+EXIT_OK = 0
+EXIT_INVALID = 2
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``kvoffload`` command line; returns the process exit status (0 ok, 2 invalid input)."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler = args.handler
+    try:
+        return handler(args)
+    except ConfigError as err:
+        _error(describe_error(err))
+        return EXIT_INVALID
+    except BrokenPipeError:
+        # The reader went away (e.g. `| head`): stop quietly, as Unix tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one sub-parser per subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="kvoffload",
+        description="Offload LLM KV caches to host memory: translate engine snapshots, inspect the schema.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_translate(subparsers)
+    _add_schema(subparsers)
+    _add_demo(subparsers)
+    return parser
+
+
+def _error(message: str) -> None:
+    """Print one ``error: …`` line to stderr (newlines in the message are folded)."""
+    print("error: " + " ".join(message.split()), file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# demo
+# ------------------------------------------------------------------------------------------------------------
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
+
+
+def parse_size(text: str) -> int:
+    """``"256MiB"`` -> 268435456, ``"1G"`` -> 10**9, ``"4096"`` -> 4096 (ConfigError naming the text)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise ConfigError(f"--cpu-bytes={text!r} is not a size (e.g. 268435456, 256MiB, 1GiB)")
+    number, unit = match.group(1), (match.group(2) or "").lower()
+    factor = 1024 ** "bkmgt".index(unit[0]) if unit.endswith(("ib", "i")) else _UNITS[unit[:1]]
+    return int(float(number) * factor)
+
+
+def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``kvoffload demo [options]``."""
+    p = subparsers.add_parser(
+        "demo",
+        help="run a verified multi-process offloading demo (scheduler + N worker processes)",
+        description=(
+            "Drive a synthetic multi-turn chat through the scheduler and N worker processes with a small "
+            "engine block pool, so KV is evicted and reloaded from host memory; every reloaded block is "
+            "verified byte for byte. Exits 1 on any mismatch, failed job or dead worker."
+        ),
+    )
+    p.add_argument(
+        "--workers", type=int, default=None, help="worker processes (default 2; the snapshot's world size)"
+    )
+    p.add_argument("--requests", type=int, default=48, help="requests to run (default 48)")
+    p.add_argument("--conversations", type=int, default=8, help="concurrent conversations (default 8)")
+    p.add_argument(
+        "--cpu-bytes", type=parse_size, default=None, help="host budget across all workers (default 128MiB)"
+    )
+    p.add_argument(
+        "--policy", choices=("lru", "arc"), default=None, help="host eviction policy (default lru)"
+    )
+    p.add_argument(
+        "--snapshot", default=None, help="engine snapshot JSON/TOML instead of the embedded Llama-style one"
+    )
+    p.add_argument("--shared-pool", action="store_true", help="map one shared-memory host pool for all ranks")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
+    p.set_defaults(handler=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    """Build the snapshot, run the demo, print the table; 1 when anything failed verification."""
+    from .demo import DemoOptions, default_snapshot, render_result, run_demo, snapshot_with_overrides
+
+    if args.requests < 1:
+        raise ConfigError(f"--requests={args.requests} must be >= 1")
+    if args.conversations < 1:
+        raise ConfigError(f"--conversations={args.conversations} must be >= 1")
+    if args.snapshot is None:
+        snapshot = default_snapshot(workers=2 if args.workers is None else args.workers)
+    else:
+        snapshot = load_snapshot(args.snapshot)
+        world = snapshot.engine_config.parallel_config.world_size
+        if args.workers is not None and args.workers != world:
+            raise ConfigError(f"--workers={args.workers} differs from the snapshot's world_size={world}")
+    snapshot = snapshot_with_overrides(snapshot, cpu_bytes=args.cpu_bytes, policy=args.policy)
+    options = DemoOptions(
+        requests=args.requests, conversations=args.conversations, seed=args.seed, shared_pool=args.shared_pool
+    )
+    result = run_demo(snapshot, options, progress=not args.no_progress)
+    print(render_result(result), end="")
+    if not result.ok:
+        _error(
+            f"verification failed: {len(result.mismatched_blocks)} mismatched blocks, {result.failed_jobs} "
+            f"failed jobs, dead workers {result.dead_workers}"
+        )
+        return 1
+    print(f"ok: {result.blocks_verified} reloaded blocks verified byte for byte")
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------------------
+# translate
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _add_translate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``kvoffload translate FILE [--explain] [--format json|toml]``."""
+    p = subparsers.add_parser(
+        "translate",
+        help="translate an engine snapshot into the offloading config (vLLM 0.33 rules)",
+        description=(
+            "Read an engine snapshot ({engine_config, kv_cache_config}) from a JSON or TOML file and print "
+            "the OffloadingConfig vLLM 0.33 would build, with vLLM's field names. Invalid input or a "
+            "translator rejection prints one 'error: ...' line and exits with status 2."
+        ),
+    )
+    p.add_argument("file", metavar="FILE", help="engine snapshot, FILE.json or FILE.toml")
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help=(
+            "print every decision first (selected groups, tokens_per_hash, blocks_per_chunk, worker bytes, "
+            "each replicated_layout / is_parallelism_agnostic / canonical gate), one per line as "
+            "'topic = value  # reason', then a blank line and the config"
+        ),
+    )
+    p.add_argument(
+        "--format",
+        choices=("json", "toml"),
+        default="json",
+        help=(
+            "output format: json (default, pretty-printed) or toml (None values are omitted: TOML has no "
+            "null)"
+        ),
+    )
+    p.set_defaults(handler=_run_translate)
+
+
+def _run_translate(args: argparse.Namespace) -> int:
+    """Load, translate (with the decision trail when ``--explain``) and print the config."""
+    snapshot: EngineSnapshot = load_snapshot(args.file)
+    explanation = explain_snapshot(snapshot)
+    if args.explain:
+        for decision in explanation.decisions:
+            print(decision.render())
+    if explanation.error is not None:
+        raise explanation.error
+    config = explanation.config
+    if config is None:  # pragma: no cover - an Explanation holds a config or an error
+        raise ConfigError("translation produced no config")
+    if args.explain:
+        print()
+    print(_format_config(config, args.format), end="")
+    return EXIT_OK
+
+
+def _format_config(config: OffloadingConfig, fmt: str) -> str:
+    """The config as pretty JSON or as TOML (None values omitted), ending with a newline."""
+    if fmt == "toml":
+        data = msgspec.to_builtins(config)
+        if not isinstance(data, dict):  # pragma: no cover - a Struct always becomes a dict
+            raise ConfigError("cannot render the config as TOML")
+        return to_toml(data)
+    return msgspec.json.format(codecs.encode_json(config), indent=2).decode() + "\n"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# schema
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _add_schema(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``kvoffload schema [--json-schema | --version]``."""
+    p = subparsers.add_parser(
+        "schema",
+        help="print the engine snapshot JSON Schema or the schema version",
+        description="Print the JSON Schema of an engine snapshot (default), or the schema version.",
+    )
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--json-schema",
+        action="store_true",
+        help="print the JSON Schema (draft 2020-12) of EngineSnapshot (the default)",
+    )
+    group.add_argument("--version", action="store_true", help="print the schema version and fingerprint")
+    p.set_defaults(handler=_run_schema)
+
+
+def _run_schema(args: argparse.Namespace) -> int:
+    """Print the schema version line, or the JSON Schema of :class:`EngineSnapshot`."""
+    if args.version:
+        print(f"kvoffload schema {SCHEMA_VERSION} (fingerprint {SCHEMA_FINGERPRINT})")
+        return EXIT_OK
+    print(json.dumps(codecs.json_schema(EngineSnapshot), indent=2, sort_keys=True))
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A small TOML writer (tomllib only reads)
+# ------------------------------------------------------------------------------------------------------------
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def to_toml(data: Mapping[str, object]) -> str:
+    """Render a mapping of JSON-like values as a TOML document.
+
+    Nested mappings become ``[tables]``, lists of mappings ``[[arrays of tables]]``, other lists inline
+    arrays.
+    TOML has no null, so None values are omitted (also inside arrays and inline tables).
+    """
+    lines: list[str] = []
+    _toml_table(lines, (), data)
+    return "\n".join(lines).strip("\n") + "\n"
+
+
+def _toml_table(lines: list[str], path: tuple[str, ...], table: Mapping[str, object]) -> None:
+    for key, value in table.items():
+        if value is None or isinstance(value, Mapping) or _is_table_array(value):
+            continue
+        lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
+    for key, value in table.items():
+        sub = (*path, key)
+        if isinstance(value, Mapping):
+            lines.extend(("", f"[{_dotted(sub)}]"))
+            _toml_table(lines, sub, value)
+        elif isinstance(value, (list, tuple)) and _is_table_array(value):
+            for item in value:
+                lines.extend(("", f"[[{_dotted(sub)}]]"))
+                _toml_table(lines, sub, item)
+
+
+def _is_table_array(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, Mapping) for v in value)
+
+
+def _dotted(path: tuple[str, ...]) -> str:
+    return ".".join(_toml_key(p) for p in path)
+
+
+def _toml_key(key: object) -> str:
+    text = str(key)
+    return text if _BARE_KEY.fullmatch(text) else _toml_string(text)
+
+
+def _toml_string(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, Mapping):
+        items = ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items() if v is not None)
+        return "{ " + items + " }" if items else "{}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value if v is not None) + "]"
+    return _toml_string(str(value))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

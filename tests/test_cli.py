@@ -1,0 +1,243 @@
+"""The ``kvoffload`` command: translate every example (JSON and TOML in, JSON and TOML out), --explain,
+one-line errors with exit status 2, and the schema subcommand."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvoffload import codecs
+from kvoffload.cli import main, to_toml
+from kvoffload.translate import load_snapshot, translate_snapshot
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.json"))
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value if v is not None]
+    return value
+
+
+def test_the_examples_exist() -> None:
+    names = {p.name for p in EXAMPLES}
+    assert {
+        "llama-3.1-8b-tp2.json",
+        "deepseek-v3-mla-tp8.json",
+        "gemma-swa-hybrid.json",
+        "mamba-hybrid.json",
+    } <= names
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_translate_example_json_and_toml(
+    example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    expected = json.loads(codecs.encode_json(translate_snapshot(load_snapshot(example))))
+
+    code, out, err = run(capsys, "translate", str(example))
+    assert (code, err) == (0, "")
+    assert json.loads(out) == expected
+    assert out.startswith("{\n  ")  # pretty by default
+
+    code, out, err = run(capsys, "translate", str(example), "--format", "toml")
+    assert (code, err) == (0, "")
+    assert tomllib.loads(out) == _drop_none(expected)
+
+    # The same snapshot written as TOML translates to the same config.
+    toml_input = tmp_path / f"{example.stem}.toml"
+    toml_input.write_text(to_toml(json.loads(example.read_text())))
+    code, out, err = run(capsys, "translate", str(toml_input))
+    assert (code, err) == (0, "")
+    assert json.loads(out) == expected
+
+
+def test_example_highlights(capsys: pytest.CaptureFixture[str]) -> None:
+    by_name = {p.name: p for p in EXAMPLES}
+    llama = json.loads(run(capsys, "translate", str(by_name["llama-3.1-8b-tp2.json"]))[1])
+    assert llama["worker_kv_bytes_per_block"] == 32 * 32768 and llama["parallel"]["is_parallelism_agnostic"]
+    dsv3 = json.loads(run(capsys, "translate", str(by_name["deepseek-v3-mla-tp8.json"]))[1])
+    assert dsv3["replicated_layout"] and dsv3["worker_kv_bytes_per_block"] == 61 * 73728
+    gemma = json.loads(run(capsys, "translate", str(by_name["gemma-swa-hybrid.json"]))[1])
+    assert [g["sliding_window_size_in_chunks"] for g in gemma["groups"]] == [None, 4, 4, 4, 4, 4]
+    hybrid = json.loads(run(capsys, "translate", str(by_name["mamba-hybrid.json"]))[1])
+    assert hybrid["cache"]["tokens_per_hash"] == 400 and len(hybrid["groups"]) == 10
+
+
+def test_translate_explain(capsys: pytest.CaptureFixture[str]) -> None:
+    example = next(p for p in EXAMPLES if p.name == "llama-3.1-8b-tp2.json")
+    code, out, err = run(capsys, "translate", str(example), "--explain")
+    assert (code, err) == (0, "")
+    report, _, config = out.partition("\n\n")
+    assert "replicated_layout.use_mla = False  # model_config.use_mla=False (needs True)" in report
+    assert "is_parallelism_agnostic = True" in report
+    assert "tokens_per_hash = 16" in report and "blocks_per_chunk = 16" in report
+    assert json.loads(config)["cache"]["blocks_per_chunk"] == 16
+    code, out, _ = run(capsys, "translate", str(example), "--explain", "--format", "toml")
+    assert code == 0 and tomllib.loads(out.partition("\n\n")[2])["cache"]["tokens_per_hash"] == 16
+
+
+def _write(tmp_path: Path, doc: dict[str, Any], name: str = "snap.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def _example_doc() -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(
+        next(p for p in EXAMPLES if p.name == "llama-3.1-8b-tp2.json").read_text()
+    )
+    return doc
+
+
+def test_invalid_file_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _example_doc()
+    doc["engine_config"]["parallel_config"]["tensor_parallel_size"] = 0
+    path = _write(tmp_path, doc)
+    code, out, err = run(capsys, "translate", str(path))
+    assert (code, out) == (2, "")
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert "$.engine_config.parallel_config.tensor_parallel_size" in lines[0] and "(got 0)" in lines[0]
+    assert str(path) in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        ('{"engine_config": {', "invalid JSON"),
+        ('{"engine_config": {}, "kv_cache_config": {}}', "missing required field `model_config`"),
+    ],
+)
+def test_broken_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, fragment: str
+) -> None:
+    path = tmp_path / "broken.json"
+    path.write_text(content)
+    code, _, err = run(capsys, "translate", str(path))
+    assert code == 2 and len(err.splitlines()) == 1 and fragment in err
+
+
+def test_missing_and_bad_toml_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "translate", str(tmp_path / "nope.json"))
+    assert code == 2 and err.startswith("error: ") and "cannot read" in err
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[engine_config\n")
+    code, _, err = run(capsys, "translate", str(bad))
+    assert code == 2 and len(err.splitlines()) == 1 and "invalid TOML" in err
+
+
+def test_translator_rejection_prints_vllm_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _example_doc()
+    doc["engine_config"]["kv_transfer_config"]["kv_connector_extra_config"] = {"block_size": 24}
+    code, out, err = run(capsys, "translate", str(_write(tmp_path, doc)))
+    assert (code, out) == (2, "")
+    assert err == (
+        "error: 'block_size'=24 in kv_connector_extra_config must be a multiple of the GPU KV cache block "
+        "size (16 tokens). Use 32 instead, or set 'blocks_per_chunk' to express the chunk size in blocks.\n"
+    )
+
+
+def test_bare_assertion_prints_its_detail(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _example_doc()
+    doc["engine_config"]["kv_transfer_config"] = None
+    code, _, err = run(capsys, "translate", str(_write(tmp_path, doc)), "--explain")
+    assert code == 2 and len(err.splitlines()) == 1
+    assert err.startswith("error: engine_config.kv_transfer_config is None") and "AssertionError" in err
+
+
+def test_explain_on_failure_prints_decisions_then_the_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = _example_doc()
+    doc["engine_config"]["kv_transfer_config"]["kv_connector_extra_config"] = {"blocks_per_chunk": "many"}
+    code, out, err = run(capsys, "translate", str(_write(tmp_path, doc)), "--explain")
+    assert code == 2 and "tokens_per_hash = 16" in out
+    assert err == (
+        "error: kv_connector_extra_config['blocks_per_chunk']='many' is not an integer: invalid literal for "
+        "int() with base 10: 'many'\n"
+    )
+
+
+def test_schema_json_schema_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "schema", "--json-schema")
+    schema = json.loads(out)
+    assert code == 0 and "EngineSnapshot" in schema["$defs"]
+    code, default, _ = run(capsys, "schema")
+    assert code == 0 and json.loads(default) == schema
+    code, out, _ = run(capsys, "schema", "--version")
+    from kvoffload import SCHEMA_FINGERPRINT, SCHEMA_VERSION
+
+    assert (code, out) == (0, f"kvoffload schema {SCHEMA_VERSION} (fingerprint {SCHEMA_FINGERPRINT})\n")
+
+
+def test_help_and_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["translate", "--help"])
+    assert exit_info.value.code == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "None values are omitted" in help_text and "--explain" in help_text
+    with pytest.raises(SystemExit) as exit_info:
+        main([])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["schema", "--version", "--json-schema"])
+    capsys.readouterr()
+
+
+def test_to_toml_writer() -> None:
+    data: dict[str, Any] = {
+        "a": 1,
+        "b": None,
+        "weird key": 'q"uote\\\n\x7f',
+        "f": 2.5,
+        "flags": [True, None, False],
+        "inline": [{"x": 1, "y": None}, 3],
+        "t": {"u": {"v": []}, "w": {}},
+        "rows": [{"k": 1}, {"k": 2, "n": {"z": "é"}}],
+    }
+    parsed = tomllib.loads(to_toml(data))
+    assert parsed == {
+        "a": 1,
+        "weird key": 'q"uote\\\n\x7f',
+        "f": 2.5,
+        "flags": [True, False],
+        "inline": [{"x": 1}, 3],
+        "t": {"u": {"v": []}, "w": {}},
+        "rows": [{"k": 1}, {"k": 2, "n": {"z": "é"}}],
+    }
+
+
+def test_console_script_has_no_traceback(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"engine_config": 1, "kv_cache_config": {}}')
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from kvoffload.cli import main; sys.exit(main())",
+            "translate",
+            str(bad),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert (
+        proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+    )
