@@ -1,8 +1,8 @@
 """Byte-exact store -> wipe -> load round trips for every spec kind, layer-major and block-major placements.
 
-Each case is a real translation (snapshot -> OffloadingConfig -> TransferLayout) of a one-group model whose
-pages come from the layout math (padding, MLA alignment, Mamba shapes, uniform wrappers), so the copy engine is
-exercised with the page sizes the translator computes, not hand-picked ones.
+Each case is a real translation (snapshot -> OffloadingConfig -> TransferLayout) of a one-group model
+whose pages come from the layout math (padding, MLA alignment, Mamba shapes, uniform wrappers), so the
+copy engine is exercised with the page sizes the translator computes, not hand-picked ones.
 """
 
 from __future__ import annotations
