@@ -1,0 +1,113 @@
+"""OffloadWorker: stores deferred one step, flushes honoured, loads submitted, bad jobs reported failed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvoffload import Int32Array, Int64Array, StepPlan, TransferJob
+from kvoffload.offload.copy_engine import CopyEngine, Placement, build_transfer_layout
+from kvoffload.offload.host_pool import HostPool, plan_host_pool
+from kvoffload.offload.worker import OffloadWorker
+
+PAGE = 256
+BLOCKS = 8
+
+
+@pytest.fixture
+def worker() -> Iterator[tuple[OffloadWorker, torch.Tensor]]:
+    layout = build_transfer_layout(
+        [Placement(size=2 * BLOCKS * PAGE, layers=("a", "b"), layer_stride=BLOCKS * PAGE, block_stride=PAGE)],
+        [[("a", PAGE), ("b", PAGE)]],
+        num_blocks=BLOCKS,
+        worker_kv_bytes_per_block=2 * PAGE,
+    )
+    plan = plan_host_pool(
+        worker_kv_bytes_per_block=2 * PAGE,
+        world_size=1,
+        blocks_per_chunk=1,
+        cpu_bytes_to_use=16 * 4096,
+        replicated=False,
+        rank=0,
+    )
+    memory = torch.arange(2 * BLOCKS * PAGE, dtype=torch.int64).to(torch.uint8)
+    with HostPool(plan, check_memory=False) as pool:
+        w = OffloadWorker(CopyEngine(memory, layout, pool), rank=0)
+        yield w, memory
+        w.close()
+
+
+def job(job_id: int, blocks: list[int], chunks: list[int]) -> TransferJob:
+    return TransferJob(
+        job_id=job_id,
+        req_id="r",
+        group_sizes=Int32Array([len(blocks)]),
+        block_indices=Int32Array([0]),
+        block_ids=Int64Array(blocks),
+        chunk_ids=Int64Array(chunks),
+    )
+
+
+def step(
+    n: int,
+    *,
+    loads: tuple[TransferJob, ...] = (),
+    stores: tuple[TransferJob, ...] = (),
+    flush: list[int] = (),
+) -> StepPlan:  # type: ignore[assignment]
+    return StepPlan(step=n, load_jobs=loads, store_jobs=stores, flush=Int64Array(flush))
+
+
+def test_store_is_deferred_to_the_next_step_then_loaded_back(
+    worker: tuple[OffloadWorker, torch.Tensor],
+) -> None:
+    w, memory = worker
+    original = memory.clone()
+    plan0 = step(0, stores=(job(1, [2, 3], [0, 1]),))
+    w.start_step(plan0)
+    w.end_step(plan0)
+    assert w.in_flight == frozenset()  # not submitted during the step it was planned in
+    plan1 = step(1, flush=[1])
+    w.start_step(plan1)  # submits the deferred store, then waits for it (flush)
+    report = w.report(1)
+    assert [(r.job_id, r.success, r.is_store, r.num_bytes) for r in report.results] == [
+        (1, True, True, 4 * PAGE)
+    ]
+    memory.zero_()
+    plan2 = step(2, loads=(job(2, [5, 6], [0, 1]),))
+    w.start_step(plan2)
+    w.wait_for_loads(plan2, timeout=10)
+    report = w.report(2)
+    assert [(r.job_id, r.success, r.is_store) for r in report.results] == [(2, True, False)]
+    for layer in range(2):
+        for src, dst in ((2, 5), (3, 6)):
+            got = memory[layer * BLOCKS * PAGE + dst * PAGE :][:PAGE]
+            want = original[layer * BLOCKS * PAGE + src * PAGE :][:PAGE]
+            assert torch.equal(got, want)
+
+
+def test_bad_job_is_reported_failed_and_the_worker_keeps_going(
+    worker: tuple[OffloadWorker, torch.Tensor],
+) -> None:
+    w, _ = worker
+    plan = step(0, loads=(job(7, [1], [999]),))  # chunk id outside the pool
+    w.start_step(plan)
+    report = w.report(0)
+    assert [(r.job_id, r.success, r.num_bytes) for r in report.results] == [(7, False, 0)]
+    plan = step(1, loads=(job(8, [1], [0]),))
+    w.start_step(plan)
+    w.wait_for_loads(plan, timeout=10)
+    assert [(r.job_id, r.success) for r in w.report(1).results] == [(8, True)]
+
+
+def test_drain_submits_deferred_stores_and_waits(worker: tuple[OffloadWorker, torch.Tensor]) -> None:
+    w, _ = worker
+    plan = step(0, stores=(job(3, [0], [2]), job(4, [1], [3])))
+    w.start_step(plan)
+    w.end_step(plan)
+    report = w.drain(0, timeout=10)
+    assert sorted(r.job_id for r in report.results) == [3, 4]
+    assert all(r.success for r in report.results)
+    assert w.in_flight == frozenset()
