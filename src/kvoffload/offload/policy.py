@@ -1,0 +1,493 @@
+"""Cache replacement policies for the host block manager: LRU and ARC, behaviour-compatible with vLLM 0.33.
+
+A policy orders the chunks resident in the host pool and picks eviction victims; the manager owns chunk
+ids, reference counts and events (reference doc §4.4-§4.5). Both policies reproduce vLLM 0.33's victim
+order exactly for call sequences without per-request position hints (vLLM only has those inside its
+connector): :class:`LRUPolicy` is exact LRU by insertion/touch order, :class:`ARCPolicy` is vLLM's ARC
+with its T1/T2 lists, B1/B2 ghosts, float ``target_t1_size`` and single forward-scan eviction.
+
+Evictability contract shared by all policies: a key enters *pending* (its write is in flight) and is not
+evictable; ``mark_evictable`` makes it ready and unpinned; ``mark_non_evictable`` withdraws it while loads
+pin it. Only evictable keys that are not ``protected`` are ever returned by
+:meth:`CachePolicy.evict`, and eviction is all-or-nothing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Sequence
+from collections.abc import Set as AbstractSet
+from typing import ClassVar
+
+from kvoffload.errors import ConfigError
+
+__all__ = [
+    "ARCPolicy",
+    "CachePolicy",
+    "LRUPolicy",
+    "PolicyFactory",
+    "available_policies",
+    "make_policy",
+    "register_policy",
+]
+
+
+class CachePolicy(ABC):
+    """Orders resident chunks and chooses eviction victims for a host pool of ``capacity`` chunks.
+
+    Keys are offload keys (bytes); values are the manager's chunk ids. The manager calls the hooks at
+    the same points as vLLM 0.33's ``CPUOffloadingManager`` so that policies see identical sequences.
+    """
+
+    __slots__ = ("capacity",)
+
+    name: ClassVar[str] = ""
+    """Registry name of the policy (``make_policy(name, ...)``)."""
+
+    def __init__(self, capacity: int) -> None:
+        """Create an empty policy for a pool of ``capacity`` chunks (also the ghost-list bound of ARC)."""
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ConfigError(f"capacity must be an int >= 0, got {capacity!r}")
+        self.capacity = capacity
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Return the number of resident keys (pending, ready or pinned)."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Tell whether ``key`` is resident."""
+
+    @abstractmethod
+    def get(self, key: bytes) -> int | None:
+        """Return the chunk id of a resident key, or ``None``; never changes the order."""
+
+    @abstractmethod
+    def insert(self, key: bytes, chunk_id: int) -> None:
+        """Add ``key`` as the most recent entry, pending (not evictable until :meth:`mark_evictable`)."""
+
+    def insert_many(self, keys: Sequence[bytes], chunk_ids: Sequence[int]) -> None:
+        """Insert ``keys[i] -> chunk_ids[i]`` in order; the same result as repeated :meth:`insert`."""
+        insert = self.insert
+        for key, chunk_id in zip(keys, chunk_ids, strict=True):
+            insert(key, chunk_id)
+
+    @abstractmethod
+    def remove(self, key: bytes) -> int | None:
+        """Drop a resident key without recording it as evicted; return its chunk id or ``None``."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Record an access to ``keys``; the list is applied in reverse, so ``keys[0]`` ends most recent."""
+
+    @abstractmethod
+    def evict(self, n: int, protected: AbstractSet[bytes]) -> list[tuple[bytes, int]] | None:
+        """Remove and return exactly ``n`` evictable, unprotected ``(key, chunk_id)`` pairs in victim order.
+
+        Returns ``None`` and changes nothing when fewer than ``n`` such keys exist (all-or-nothing).
+        """
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget every key and any learned state (the manager's ``reset``)."""
+
+    @abstractmethod
+    def mark_evictable(self, key: bytes) -> None:
+        """Declare ``key`` ready and unpinned: its store completed or its last load finished."""
+
+    @abstractmethod
+    def mark_non_evictable(self, key: bytes) -> None:
+        """Declare ``key`` pinned by a load; it stays resident and is skipped by :meth:`evict`."""
+
+    def mark_evictable_many(self, keys: Collection[bytes]) -> None:
+        """Apply :meth:`mark_evictable` to each key; order does not matter (batched for speed)."""
+        mark = self.mark_evictable
+        for key in keys:
+            mark(key)
+
+    def mark_non_evictable_many(self, keys: Collection[bytes]) -> None:
+        """Apply :meth:`mark_non_evictable` to each key; order does not matter (batched for speed)."""
+        mark = self.mark_non_evictable
+        for key in keys:
+            mark(key)
+
+    def on_store_miss(self, keys: Sequence[bytes]) -> None:
+        """Observe offered keys that were not resident (once per request); default: :meth:`touch`."""
+        self.touch(keys)
+
+    def on_request_finished(self, keys: Sequence[bytes], reused: AbstractSet[bytes]) -> None:
+        """Observe a finished request's keys in prefix order; ``reused`` were hits, the rest its own stores.
+
+        Default: :meth:`touch` the keys (what vLLM 0.33's LRU does when no key positions are known).
+        """
+        self.touch(keys)
+
+
+def _check_n(n: int) -> None:
+    """Reject a negative eviction count, which always means a caller bug."""
+    if n < 0:
+        raise ConfigError(f"number of chunks to evict must be >= 0, got {n}")
+
+
+class LRUPolicy(CachePolicy):
+    """Exact least-recently-used order by insertion and touch (vLLM 0.33 ``lru`` without position hints).
+
+    One OrderedDict holds every resident key, least recent first; eviction scans from the front,
+    skipping pending, pinned and protected keys, which equals vLLM's lazy rank heap over evictable keys.
+    """
+
+    __slots__ = ("_blocked", "_order")
+
+    name: ClassVar[str] = "lru"
+
+    def __init__(self, capacity: int) -> None:
+        """Create an empty LRU policy for ``capacity`` chunks."""
+        super().__init__(capacity)
+        self._order: OrderedDict[bytes, int] = OrderedDict()
+        self._blocked: set[bytes] = set()  # resident keys that are pending or pinned
+
+    def __len__(self) -> int:
+        """Return the number of resident keys."""
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        """Tell whether ``key`` is resident."""
+        return key in self._order
+
+    def lru_order(self) -> list[bytes]:
+        """Return the resident keys, least recently used first (for inspection and tests)."""
+        return list(self._order)
+
+    def get(self, key: bytes) -> int | None:
+        """Return the chunk id of ``key`` or ``None``."""
+        return self._order.get(key)
+
+    def insert(self, key: bytes, chunk_id: int) -> None:
+        """Add ``key`` (pending) as the most recently used entry."""
+        order = self._order
+        order[key] = chunk_id
+        order.move_to_end(key)
+        self._blocked.add(key)
+
+    def insert_many(self, keys: Sequence[bytes], chunk_ids: Sequence[int]) -> None:
+        """Insert new keys in order with one C-level update when none of them is resident yet."""
+        order = self._order
+        if len(keys) != len(chunk_ids) or not order.keys().isdisjoint(keys):
+            super().insert_many(keys, chunk_ids)
+            return
+        order.update(zip(keys, chunk_ids, strict=True))
+        self._blocked.update(keys)
+
+    def remove(self, key: bytes) -> int | None:
+        """Drop ``key`` and return its chunk id."""
+        self._blocked.discard(key)
+        return self._order.pop(key, None)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Make resident ``keys`` most recent, ``keys[0]`` last (iterates the list reversed, as vLLM)."""
+        order = self._order
+        move = order.move_to_end
+        for key in reversed(keys):
+            if key in order:
+                move(key)
+
+    def evict(self, n: int, protected: AbstractSet[bytes]) -> list[tuple[bytes, int]] | None:
+        """Evict the ``n`` least recent evictable, unprotected keys, or nothing."""
+        if n <= 0:
+            _check_n(n)
+            return []
+        blocked = self._blocked
+        victims: list[tuple[bytes, int]] = []
+        append = victims.append
+        for item in self._order.items():
+            key = item[0]
+            if key in blocked or key in protected:
+                continue
+            append(item)
+            if len(victims) == n:
+                break
+        else:
+            return None
+        order = self._order
+        for key, _ in victims:
+            del order[key]
+        return victims
+
+    def clear(self) -> None:
+        """Forget every key."""
+        self._order.clear()
+        self._blocked.clear()
+
+    def mark_evictable(self, key: bytes) -> None:
+        """Make ``key`` an eviction candidate again; its recency is unchanged (as vLLM's rank)."""
+        self._blocked.discard(key)
+
+    def mark_non_evictable(self, key: bytes) -> None:
+        """Exclude resident ``key`` from eviction while it is pinned."""
+        if key in self._order:
+            self._blocked.add(key)
+
+    def mark_evictable_many(self, keys: Collection[bytes]) -> None:
+        """Make ``keys`` eviction candidates again with one set operation."""
+        self._blocked.difference_update(keys)
+
+    def mark_non_evictable_many(self, keys: Collection[bytes]) -> None:
+        """Exclude the resident ``keys`` from eviction with one set operation."""
+        self._blocked.update(self._order.keys() & keys)
+
+
+class ARCPolicy(CachePolicy):
+    """Adaptive Replacement Cache as in vLLM 0.33: recency list T1, frequency list T2, ghosts B1/B2.
+
+    ``t1``/``t2`` map resident keys to chunk ids and ``b1``/``b2`` remember recently evicted keys, all
+    least recent first; ghost hits move ``target_t1_size`` (a float) towards recency or frequency, and
+    :meth:`evict` takes from T1 while ``|T1| >= int(target_t1_size)``. The four OrderedDicts are public
+    for inspection; mutate them only through the methods.
+    """
+
+    __slots__ = ("_blocked", "_pending", "b1", "b2", "t1", "t2", "target_t1_size")
+
+    name: ClassVar[str] = "arc"
+
+    def __init__(self, capacity: int) -> None:
+        """Create an empty ARC policy; ghost lists are each bounded by ``capacity``."""
+        super().__init__(capacity)
+        self.target_t1_size: float = 0.0
+        self.t1: OrderedDict[bytes, int] = OrderedDict()
+        self.t2: OrderedDict[bytes, int] = OrderedDict()
+        self.b1: OrderedDict[bytes, None] = OrderedDict()
+        self.b2: OrderedDict[bytes, None] = OrderedDict()
+        self._pending: set[bytes] = set()  # inserted, store not completed yet (vLLM ref_cnt == -1)
+        self._blocked: set[bytes] = set()  # pending or pinned (vLLM ref_cnt != 0)
+
+    def __len__(self) -> int:
+        """Return the number of resident keys (``|T1| + |T2|``)."""
+        return len(self.t1) + len(self.t2)
+
+    def __contains__(self, key: object) -> bool:
+        """Tell whether ``key`` is resident in T1 or T2."""
+        return key in self.t1 or key in self.t2
+
+    def get(self, key: bytes) -> int | None:
+        """Return the chunk id of ``key`` from T1 or T2, or ``None``."""
+        chunk_id = self.t1.get(key)
+        return self.t2.get(key) if chunk_id is None else chunk_id
+
+    def insert(self, key: bytes, chunk_id: int) -> None:
+        """Add ``key`` (pending) at the T1 tail and forget it from the ghost lists."""
+        self.t2.pop(key, None)
+        t1 = self.t1
+        t1.pop(key, None)
+        t1[key] = chunk_id
+        self.b1.pop(key, None)
+        self.b2.pop(key, None)
+        self._pending.add(key)
+        self._blocked.add(key)
+
+    def insert_many(self, keys: Sequence[bytes], chunk_ids: Sequence[int]) -> None:
+        """Insert new keys at the T1 tail in order, batched when none of them is resident yet."""
+        t1 = self.t1
+        if (
+            len(keys) != len(chunk_ids)
+            or not t1.keys().isdisjoint(keys)
+            or not self.t2.keys().isdisjoint(keys)
+        ):
+            super().insert_many(keys, chunk_ids)
+            return
+        t1.update(zip(keys, chunk_ids, strict=True))
+        for ghosts in (self.b1, self.b2):
+            if ghosts:
+                pop = ghosts.pop
+                for key in keys:
+                    pop(key, None)
+        self._pending.update(keys)
+        self._blocked.update(keys)
+
+    def remove(self, key: bytes) -> int | None:
+        """Drop ``key`` from T1 or T2 (ghosts untouched) and return its chunk id."""
+        self._pending.discard(key)
+        self._blocked.discard(key)
+        chunk_id = self.t1.pop(key, None)
+        return self.t2.pop(key, None) if chunk_id is None else chunk_id
+
+    def _adapt_to_ghost_hit(self, key: bytes) -> None:
+        """Shift ``target_t1_size`` on a ghost hit: B1 favours recency (up), B2 frequency (down)."""
+        b1 = self.b1
+        b2 = self.b2
+        if key in b1:
+            delta = max(1.0, len(b2) / len(b1))
+            self.target_t1_size = float(min(self.target_t1_size + delta, self.capacity))
+            b1.move_to_end(key)
+        elif key in b2:
+            delta = max(1.0, len(b1) / len(b2))
+            self.target_t1_size = max(self.target_t1_size - delta, 0.0)
+            b2.move_to_end(key)
+
+    def on_store_miss(self, keys: Sequence[bytes]) -> None:
+        """Learn from offered keys that are ghosts, before insertion forgets them (reverse order)."""
+        if not self.b1 and not self.b2:
+            return
+        adapt = self._adapt_to_ghost_hit
+        for key in reversed(keys):
+            adapt(key)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Apply accesses in reverse: ready T1 keys move to the T2 tail, pending ones to the T1 tail, T2
+        keys to the T2 tail, and absent keys adapt the target if they are ghosts."""
+        t1 = self.t1
+        t2 = self.t2
+        pending = self._pending
+        for key in reversed(keys):
+            chunk_id = t1.pop(key, None)
+            if chunk_id is not None:
+                if key in pending:
+                    t1[key] = chunk_id  # a store in flight is not a second access
+                else:
+                    t2[key] = chunk_id
+            elif key in t2:
+                t2.move_to_end(key)
+            else:
+                self._adapt_to_ghost_hit(key)
+
+    def on_request_finished(self, keys: Sequence[bytes], reused: AbstractSet[bytes]) -> None:
+        """Apply a finished request in reverse order: reused keys count as one access (T1 -> T2 or T2
+        tail); the request's own stores only refresh recency within their list."""
+        t1 = self.t1
+        t2 = self.t2
+        for key in reversed(keys):
+            if key in reused:
+                chunk_id = t1.pop(key, None)
+                if chunk_id is not None:
+                    t2[key] = chunk_id
+                elif key in t2:
+                    t2.move_to_end(key)
+            elif key in t1:
+                t1.move_to_end(key)
+            elif key in t2:
+                t2.move_to_end(key)
+
+    def evict(self, n: int, protected: AbstractSet[bytes]) -> list[tuple[bytes, int]] | None:
+        """Pick ``n`` victims with vLLM's single forward scan over T1 and T2, then move them to B1/B2.
+
+        Per victim: if the virtual ``|T1|`` is at least ``int(target_t1_size)`` take the next evictable
+        T1 entry, else (or if none) the next T2 entry, else the next T1 entry; entries skipped once are
+        never revisited. Ghost lists are then trimmed to ``capacity`` (oldest first).
+        """
+        if n <= 0:
+            _check_n(n)
+            return []
+        blocked = self._blocked
+        target = int(self.target_t1_size)
+        virtual_t1 = len(self.t1)
+        t1_items = iter(self.t1.items())
+        t2_items = iter(self.t2.items())
+        victims: list[tuple[bytes, int]] = []
+        from_t1: list[bool] = []
+        for _ in range(n):
+            found = False
+            if virtual_t1 >= target:
+                for item in t1_items:
+                    key = item[0]
+                    if key not in blocked and key not in protected:
+                        victims.append(item)
+                        from_t1.append(True)
+                        virtual_t1 -= 1
+                        found = True
+                        break
+            if not found:
+                for item in t2_items:
+                    key = item[0]
+                    if key not in blocked and key not in protected:
+                        victims.append(item)
+                        from_t1.append(False)
+                        found = True
+                        break
+            if not found:
+                for item in t1_items:
+                    key = item[0]
+                    if key not in blocked and key not in protected:
+                        victims.append(item)
+                        from_t1.append(True)
+                        virtual_t1 -= 1
+                        found = True
+                        break
+                if not found:
+                    return None
+        t1 = self.t1
+        t2 = self.t2
+        b1 = self.b1
+        b2 = self.b2
+        for (key, _), in_t1 in zip(victims, from_t1, strict=True):
+            if in_t1:
+                del t1[key]
+                b1[key] = None
+            else:
+                del t2[key]
+                b2[key] = None
+        capacity = self.capacity
+        for ghosts in (b1, b2):
+            for _ in range(len(ghosts) - capacity):
+                ghosts.popitem(last=False)
+        return victims
+
+    def clear(self) -> None:
+        """Forget all resident and ghost keys and reset the target to 0."""
+        self.t1.clear()
+        self.t2.clear()
+        self.b1.clear()
+        self.b2.clear()
+        self._pending.clear()
+        self._blocked.clear()
+        self.target_t1_size = 0.0
+
+    def mark_evictable(self, key: bytes) -> None:
+        """Mark ``key`` ready and unpinned (vLLM ``ref_cnt == 0``)."""
+        self._pending.discard(key)
+        self._blocked.discard(key)
+
+    def mark_non_evictable(self, key: bytes) -> None:
+        """Mark resident ``key`` pinned (vLLM ``ref_cnt > 0``)."""
+        if key in self.t1 or key in self.t2:
+            self._blocked.add(key)
+
+    def mark_evictable_many(self, keys: Collection[bytes]) -> None:
+        """Mark ``keys`` ready and unpinned with two set operations."""
+        self._pending.difference_update(keys)
+        self._blocked.difference_update(keys)
+
+    def mark_non_evictable_many(self, keys: Collection[bytes]) -> None:
+        """Mark the resident ``keys`` pinned."""
+        t1 = self.t1
+        t2 = self.t2
+        self._blocked.update(key for key in keys if key in t1 or key in t2)
+
+
+PolicyFactory = Callable[[int], CachePolicy]
+"""Anything that builds a policy from a capacity, typically a :class:`CachePolicy` subclass."""
+
+_REGISTRY: dict[str, PolicyFactory] = {"lru": LRUPolicy, "arc": ARCPolicy}
+
+
+def register_policy(name: str, factory: PolicyFactory, *, replace: bool = False) -> None:
+    """Make ``factory`` available to :func:`make_policy` as ``name``; an existing name needs ``replace``."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"policy name must be a non-empty str, got {name!r}")
+    if not callable(factory):
+        raise ConfigError(f"policy factory for {name!r} must be callable, got {factory!r}")
+    if name in _REGISTRY and not replace:
+        raise ConfigError(f"cache policy {name!r} is already registered")
+    _REGISTRY[name] = factory
+
+
+def available_policies() -> tuple[str, ...]:
+    """Return the registered policy names, sorted."""
+    return tuple(sorted(_REGISTRY))
+
+
+def make_policy(name: str, capacity: int) -> CachePolicy:
+    """Build the policy registered as ``name`` for ``capacity`` chunks; unknown names raise ConfigError."""
+    factory = _REGISTRY.get(name) if isinstance(name, str) else None
+    if factory is None:
+        raise ConfigError(f"unknown cache policy {name!r} (policy); known: {', '.join(available_policies())}")
+    return factory(capacity)
