@@ -183,7 +183,8 @@ for _cls in (Int32Array, Int64Array):
 def msgpack_enc_hook(obj: object) -> object:
     """msgspec enc_hook: packed arrays become one msgpack bin value."""
     if isinstance(obj, PackedIntArray):
-        return obj.tobytes() if not _LITTLE else obj._view.cast("B")
+        # On little-endian hosts the typed view's buffer already is the wire bytes; msgspec writes it as is.
+        return obj._view if _LITTLE else obj.tobytes()
     raise NotImplementedError(f"cannot encode objects of type {type(obj).__name__}")
 
 
@@ -194,8 +195,23 @@ def json_enc_hook(obj: object) -> object:
     raise NotImplementedError(f"cannot encode objects of type {type(obj).__name__}")
 
 
+_WIRE_CODES: dict[type, Literal["i", "q"]] = {Int32Array: "i", Int64Array: "q"} if _LITTLE else {}
+"""Exact array types whose wire bytes can be viewed as is (the decode fast path, per array on the wire)."""
+
+
 def msgpack_dec_hook(tp: type, obj: object) -> object:
     """msgspec dec_hook: build a packed array from a msgpack bin value."""
+    code = _WIRE_CODES.get(tp)
+    if code is not None and type(obj) is bytes:
+        # Fast path of `from_buffer` (msgspec hands over a fresh bytes object): one view, no checks to repeat.
+        packed: PackedIntArray = object.__new__(tp)
+        try:
+            packed._view = memoryview(obj).cast(code)
+        except TypeError:
+            raise ValueError(
+                f"{tp.__name__}: buffer of {len(obj)} bytes is not a multiple of {packed._itemsize}"
+            ) from None
+        return packed
     if tp is object:
         return obj  # `json` schema fields: any decoded value
     if isinstance(tp, type) and issubclass(tp, PackedIntArray):

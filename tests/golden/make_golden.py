@@ -1,0 +1,166 @@
+"""Write the golden wire frames of the current schema version: run once when a version is released.
+
+    python tests/golden/make_golden.py            # writes tests/golden/<version>/ (refuses to overwrite)
+    python tests/golden/make_golden.py --out DIR  # writes DIR/<version>/ (tests check it is reproducible)
+
+Each version directory holds `manifest.json` (schema version, fingerprint, and per message: name, type,
+kind, frame files and the message as JSON) and the frames as `<name>.<index>.bin`. Golden directories are
+frozen like `schema/history/`: later code must keep decoding them (tests/test_wire_versions.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kvoffload import (
+    SCHEMA_FINGERPRINT,
+    SCHEMA_VERSION,
+    BlockRemoved,
+    BlockStored,
+    Hello,
+    Int32Array,
+    Int64Array,
+    JobResult,
+    KVEventBatch,
+    Medium,
+    PeerRole,
+    Shutdown,
+    StepPlan,
+    TransferJob,
+    WorkerReport,
+    codecs,
+    wire,
+)
+from kvoffload._generated.types import Message
+
+HERE = Path(__file__).resolve().parent
+
+
+def _job(job_id: int, blocks: int, *, sync: bool = False) -> TransferJob:
+    return TransferJob(
+        job_id=job_id,
+        req_id=f"cmpl-{job_id:04d}",
+        group_sizes=Int32Array([blocks - 1, 1]),
+        block_indices=Int32Array([0, 7]),
+        block_ids=Int64Array(range(1000 + job_id, 1000 + job_id + blocks)),
+        chunk_ids=Int64Array([2**33 + job_id, -1]),
+        sync=sync,
+    )
+
+
+def golden_messages() -> list[tuple[str, Message, list[bytes]]]:
+    """The messages frozen for this version: every kind, with defaults, edge values and attachments."""
+    return [
+        (
+            "hello",
+            Hello(
+                schema_version=SCHEMA_VERSION,
+                fingerprint=SCHEMA_FINGERPRINT,
+                role=PeerRole.SCHEDULER,
+                rank=0,
+                world_size=4,
+                engine_id="engine-golden",
+                pid=4242,
+            ),
+            [],
+        ),
+        (
+            "step_plan",
+            StepPlan(
+                step=2**40,
+                load_jobs=(_job(1, 4, sync=True),),
+                store_jobs=(_job(2, 3), _job(3, 1)),
+                flush=Int64Array([7, 8]),
+            ),
+            [],
+        ),
+        ("step_plan_defaults", StepPlan(step=0, load_jobs=(), store_jobs=()), []),
+        (
+            "step_plan_attachments",
+            StepPlan(step=5, load_jobs=(), store_jobs=(_job(4, 2),)),
+            [b"\x01\x02\x03", b""],
+        ),
+        (
+            "worker_report",
+            WorkerReport(
+                rank=3,
+                step=99,
+                results=(
+                    JobResult(job_id=1, success=True, is_store=False, num_bytes=2**36, seconds=0.125),
+                    JobResult(job_id=2, success=False, is_store=True, num_bytes=0, seconds=0.0),
+                ),
+            ),
+            [],
+        ),
+        ("shutdown", Shutdown(reason="tests are done"), []),
+        (
+            "kv_event_batch",
+            KVEventBatch(
+                ts=1234.5,
+                events=(
+                    BlockStored(
+                        block_hashes=(bytes(range(16)),),
+                        parent_block_hash=None,
+                        token_ids=Int32Array([1, 2, 3, -4]),
+                        block_size=4,
+                        group_idx=2,
+                        medium=Medium.STORAGE,
+                    ),
+                    BlockStored(block_hashes=(b"\xff" * 4,)),
+                    BlockRemoved(block_hashes=(b"\x00" * 4, b"\x01" * 4), group_idx=1),
+                ),
+            ),
+            [],
+        ),
+    ]
+
+
+def write(root: Path) -> Path:
+    """Write the golden directory of the current version under `root`; refuses an existing one."""
+    out = root / SCHEMA_VERSION
+    if out.exists():
+        raise FileExistsError(f"{out} exists: released golden frames are frozen (never rewritten)")
+    out.mkdir(parents=True)
+    manifest: dict[str, object] = {"schema_version": SCHEMA_VERSION, "fingerprint": SCHEMA_FINGERPRINT}
+    entries = []
+    for name, msg, attachments in golden_messages():
+        frames = wire.encode(msg, attachments)
+        files = []
+        for index, frame in enumerate(frames):
+            file = f"{name}.{index}.bin"
+            (out / file).write_bytes(bytes(frame))
+            files.append(file)
+        entries.append(
+            {
+                "name": name,
+                "type": type(msg).__name__,
+                "kind": type(msg).MESSAGE_ID,
+                "frames": files,
+                "json": json.loads(codecs.encode_json(msg)),
+            }
+        )
+    manifest["messages"] = entries
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Write the golden wire frames of the current schema version."
+    )
+    parser.add_argument("--out", type=Path, default=HERE, help="parent directory (default: tests/golden)")
+    args = parser.parse_args(argv)
+    try:
+        out = write(args.out)
+    except FileExistsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
