@@ -343,9 +343,7 @@ class _Manager(Protocol):
 StoreFn = Callable[[Sequence[bytes]], _Plan | None]
 
 
-def replay(
-    manager: _Manager, prepare_store: StoreFn, trace: Trace, record: list[object] | None = None
-) -> int:
+def replay(manager: _Manager, prepare_store: StoreFn, trace: Trace, record: list[object] | None = None) -> int:
     """Replay ``trace`` on ``manager`` and return the number of key-ops; ``record`` collects all results."""
     hit = LookupResult.HIT
     lookup = manager.lookup

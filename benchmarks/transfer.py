@@ -49,13 +49,9 @@ def _plain_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
-def _job(
-    engine: CopyEngine, job_id: int, is_store: bool, block_ids: torch.Tensor, chunk_ids: torch.Tensor
-) -> None:
+def _job(engine: CopyEngine, job_id: int, is_store: bool, block_ids: torch.Tensor, chunk_ids: torch.Tensor) -> None:
     submit = engine.submit_store if is_store else engine.submit_load
-    submit(
-        job_id, group_sizes=[block_ids.numel()], block_indices=[0], block_ids=block_ids, chunk_ids=chunk_ids
-    )
+    submit(job_id, group_sizes=[block_ids.numel()], block_indices=[0], block_ids=block_ids, chunk_ids=chunk_ids)
     engine.wait([job_id])
 
 
@@ -111,9 +107,7 @@ def bench_page(page: int, args: argparse.Namespace, device: torch.device) -> lis
 
 def main() -> None:
     """Parse the arguments, run every page size and print the table."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pages", default="32K,256K,2M", help="comma-separated page sizes")
     parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement, MiB")
     parser.add_argument("--layers", type=int, default=4, help="layers (pages per block)")

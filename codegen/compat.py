@@ -175,9 +175,7 @@ class _Comparer:
             if new_kind is None:
                 self.at_old("TYPE_REMOVED", name, "", f"{kind} removed", _line(self.old, name))
             elif new_kind != kind:
-                self.at_new(
-                    "TYPE_KIND_CHANGED", name, "", f"{kind} became a {new_kind}", _line(self.new, name)
-                )
+                self.at_new("TYPE_KIND_CHANGED", name, "", f"{kind} became a {new_kind}", _line(self.new, name))
         for name in new_kinds:
             if name not in old_kinds:
                 self.added_type(name)
@@ -237,9 +235,7 @@ class _Comparer:
         new_aliases = dict(new.aliases)
         for alias, target in old.aliases:
             if new_aliases.get(alias) != target:
-                self.at_new(
-                    "ENUM_ALIAS_REMOVED", old.name, alias, f"alias {alias!r} -> {target!r} removed", new.line
-                )
+                self.at_new("ENUM_ALIAS_REMOVED", old.name, alias, f"alias {alias!r} -> {target!r} removed", new.line)
 
     # -- unions ----------------------------------------------------------------------------------------
 
@@ -278,9 +274,7 @@ class _Comparer:
                 new.line,
             )
         if old.layout != new.layout:
-            self.at_new(
-                "STRUCT_LAYOUT_CHANGED", name, "", f"layout {old.layout!r} -> {new.layout!r}", new.line
-            )
+            self.at_new("STRUCT_LAYOUT_CHANGED", name, "", f"layout {old.layout!r} -> {new.layout!r}", new.line)
         if not old.abstract and new.abstract:
             self.at_new("STRUCT_MADE_ABSTRACT", name, "", "struct became abstract", new.line)
         if old.root and not new.root:
@@ -386,9 +380,7 @@ class _Comparer:
         if new.removed is not None:
             return  # a tombstone keeps only its type and position
         if old.since != new.since and old.removed is None:
-            self.at_new(
-                "FIELD_SINCE_CHANGED", label, new.name, f"since {old.since!r} -> {new.since!r}", new.line
-            )
+            self.at_new("FIELD_SINCE_CHANGED", label, new.name, f"since {old.since!r} -> {new.since!r}", new.line)
         if old.has_default and not new.has_default:
             self.at_new(
                 "FIELD_REQUIRED_ADDED",
@@ -447,16 +439,12 @@ def _kinds(schema: Schema) -> dict[str, str]:
 
 
 def _line(schema: Schema, name: str) -> int:
-    item: Enum | Struct | Union | None = (
-        schema.enums.get(name) or schema.structs.get(name) or schema.unions.get(name)
-    )
+    item: Enum | Struct | Union | None = schema.enums.get(name) or schema.structs.get(name) or schema.unions.get(name)
     return item.line if item is not None else 0
 
 
 def _since_of(schema: Schema, name: str) -> str | None:
-    item: Enum | Struct | Union | None = (
-        schema.enums.get(name) or schema.structs.get(name) or schema.unions.get(name)
-    )
+    item: Enum | Struct | Union | None = schema.enums.get(name) or schema.structs.get(name) or schema.unions.get(name)
     return item.since if item is not None else None
 
 

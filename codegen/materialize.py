@@ -2,7 +2,7 @@
 
 Tests use this to get "readers generated from the history schemas": the classes carry the same msgspec
 options as the generated code (frozen, kw_only, array_like for `layout = "array"`, forbid_unknown_fields
-for configs, tagged unions, constraints as `msgspec.Meta`, packed arrays as Int32Array/Int64Array), so a
+for configs, tagged unions, constraints as `msgspec.Meta`, packed arrays as Int32Bytes/Int64Bytes), so a
 message that a materialized 1.2 reader decodes is exactly what a process running schema 1.2 would see.
 """
 
@@ -21,7 +21,7 @@ from typing import Annotated, cast
 
 import msgspec
 
-from kvoffload.packed import Int32Array, Int64Array, json_dec_hook, msgpack_dec_hook
+from kvoffload.packed import Int32Bytes, Int64Bytes
 
 from .loader import Enum, Field, Schema, Struct, load_schema, member_name
 from .render import annotation
@@ -57,7 +57,7 @@ class MaterializedSchema:
 
     def json_decoder(self, name: str) -> msgspec.json.Decoder[msgspec.Struct]:
         """A typed JSON decoder of struct `name` (packed arrays decode from lists of integers)."""
-        return msgspec.json.Decoder(self.struct(name), dec_hook=json_dec_hook)
+        return msgspec.json.Decoder(self.struct(name))
 
     def decode_message(self, message_id: int, body: Buffer) -> msgspec.Struct:
         """Decode a message body (msgpack, without the envelope) as this schema's message `message_id`."""
@@ -69,7 +69,7 @@ class MaterializedSchema:
 
 @functools.lru_cache(maxsize=256)
 def _msgpack_decoder(cls: type[msgspec.Struct]) -> msgspec.msgpack.Decoder[msgspec.Struct]:
-    return msgspec.msgpack.Decoder(cls, dec_hook=msgpack_dec_hook)
+    return msgspec.msgpack.Decoder(cls)
 
 
 def materialize(schema: Schema | str | Path) -> MaterializedSchema:
@@ -81,13 +81,9 @@ def materialize(schema: Schema | str | Path) -> MaterializedSchema:
     if not isinstance(schema, Schema):
         schema = load_schema(schema)
     module_name = f"codegen._materialized.{schema.name}_{schema.version.replace('.', '_')}_{next(_COUNTER)}"
-    module = types.ModuleType(
-        module_name, f"Classes materialized from schema {schema.name} {schema.version}."
-    )
+    module = types.ModuleType(module_name, f"Classes materialized from schema {schema.name} {schema.version}.")
     namespace = module.__dict__
-    namespace.update(
-        {"msgspec": msgspec, "Annotated": Annotated, "Int32Array": Int32Array, "Int64Array": Int64Array}
-    )
+    namespace.update({"msgspec": msgspec, "Annotated": Annotated, "Int32Bytes": Int32Bytes, "Int64Bytes": Int64Bytes})
     # Annotations stay strings (as in the generated code) and resolve lazily through this module, which is
     # what lets a union refer to a struct that refers back to the union.
     sys.modules[module_name] = module
@@ -99,8 +95,7 @@ def materialize(schema: Schema | str | Path) -> MaterializedSchema:
         structs[name] = _struct(s, schema, structs, enums, module_name)
     namespace.update(structs)
     unions: dict[str, object] = {
-        name: functools.reduce(operator.or_, [structs[m] for m in u.members])
-        for name, u in schema.unions.items()
+        name: functools.reduce(operator.or_, [structs[m] for m in u.members]) for name, u in schema.unions.items()
     }
     namespace.update(unions)
     messages = {s.message_id: structs[s.name] for s in schema.messages if s.message_id is not None}
@@ -171,7 +166,7 @@ def _default(f: Field, enums: Mapping[str, type[enum.StrEnum]]) -> object:
     if tref.kind == "map":
         return msgspec.field(default_factory=dict)
     if tref.kind == "array":
-        return msgspec.field(default_factory=Int32Array if tref.name == "int32" else Int64Array)
+        return (Int32Bytes if tref.name == "int32" else Int64Bytes)(b"")
     if tref.kind == "named" and tref.name in enums:
         return enums[tref.name](str(value))
     if tref.kind == "primitive" and tref.name == "float" and isinstance(value, int | float):

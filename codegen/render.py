@@ -41,7 +41,7 @@ def py_type(tref: TypeRef) -> str:
     if tref.kind == "named":
         return tref.name
     if tref.kind == "array":
-        return "Int32Array" if tref.name == "int32" else "Int64Array"
+        return "Int32Bytes" if tref.name == "int32" else "Int64Bytes"
     if tref.kind == "list":
         return f"tuple[{py_type(tref.inner)}, ...]"
     if tref.kind == "map":
@@ -74,7 +74,7 @@ def default_expr(f: Field, schema: Schema) -> str | None:
     if tref.kind == "map":
         return "msgspec.field(default_factory=dict)"
     if tref.kind == "array":
-        return f"msgspec.field(default_factory={py_type(tref)})"
+        return f'{py_type(tref)}(b"")'
     if tref.kind == "named" and tref.name in schema.enums:
         return f"{tref.name}.{member_name(str(value))}"
     if tref.kind == "primitive" and tref.name == "float":

@@ -44,9 +44,7 @@ def test_the_examples_exist() -> None:
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_translate_example_json_and_toml(
-    example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_translate_example_json_and_toml(example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     expected = json.loads(codecs.encode_json(translate_snapshot(load_snapshot(example))))
 
     code, out, err = run(capsys, "translate", str(example))
@@ -98,9 +96,7 @@ def _write(tmp_path: Path, doc: dict[str, Any], name: str = "snap.json") -> Path
 
 
 def _example_doc() -> dict[str, Any]:
-    doc: dict[str, Any] = json.loads(
-        next(p for p in EXAMPLES if p.name == "llama-3.1-8b-tp2.json").read_text()
-    )
+    doc: dict[str, Any] = json.loads(next(p for p in EXAMPLES if p.name == "llama-3.1-8b-tp2.json").read_text())
     return doc
 
 
@@ -123,9 +119,7 @@ def test_invalid_file_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFi
         ('{"engine_config": {}, "kv_cache_config": {}}', "missing required field `model_config`"),
     ],
 )
-def test_broken_files(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, fragment: str
-) -> None:
+def test_broken_files(tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str, fragment: str) -> None:
     path = tmp_path / "broken.json"
     path.write_text(content)
     code, _, err = run(capsys, "translate", str(path))
@@ -160,9 +154,7 @@ def test_bare_assertion_prints_its_detail(tmp_path: Path, capsys: pytest.Capture
     assert err.startswith("error: engine_config.kv_transfer_config is None") and "AssertionError" in err
 
 
-def test_explain_on_failure_prints_decisions_then_the_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_explain_on_failure_prints_decisions_then_the_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     doc = _example_doc()
     doc["engine_config"]["kv_transfer_config"]["kv_connector_extra_config"] = {"blocks_per_chunk": "many"}
     code, out, err = run(capsys, "translate", str(_write(tmp_path, doc)), "--explain")
@@ -238,6 +230,4 @@ def test_console_script_has_no_traceback(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 2 and proc.stdout == ""
-    assert (
-        proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
-    )
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr

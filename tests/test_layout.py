@@ -84,9 +84,7 @@ def engine(
 ) -> EngineConfig:
     return EngineConfig(
         model_config=ModelConfig(model="m", dtype=DType.BFLOAT16, use_mla=False, total_num_kv_heads=4),
-        cache_config=CacheConfig(
-            block_size=block_size, enable_prefix_caching=prefix_caching, prefix_match_unit=pmu
-        ),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching, prefix_match_unit=pmu),
         parallel_config=ParallelConfig(decode_context_parallel_size=dcp),
         kv_transfer_config=KVTransferConfig(engine_id="e") if connector else None,
     )
@@ -112,9 +110,7 @@ def test_quant_mode_predicates() -> None:
         KVQuantMode.INT4_PER_TOKEN_HEAD,
     }
     assert [m for m in KVQuantMode if L.is_nvfp4(m)] == [KVQuantMode.NVFP4]
-    assert {m for m in KVQuantMode if L.is_turboquant(m)} == {
-        m for m in KVQuantMode if m.startswith("turboquant")
-    }
+    assert {m for m in KVQuantMode if L.is_turboquant(m)} == {m for m in KVQuantMode if m.startswith("turboquant")}
     assert {m for m in KVQuantMode if L.is_octave(m)} == {m for m in KVQuantMode if m.startswith("octave")}
     assert [m for m in KVQuantMode if L.is_ultraquant(m)] == [KVQuantMode.ULTRAQUANT_4BIT]
     # CUSTOM is vLLM's alias of OCTAVE_K3V4: both predicates hold for both names.
@@ -185,9 +181,7 @@ def test_attention_overrides() -> None:
 def test_page_size_padded() -> None:
     assert L.page_size_bytes(full(16, 4, 128, DType.FLOAT16, page_size_padded=40000)) == 40000
     assert L.real_page_size_bytes(full(16, 4, 128, DType.FLOAT16, page_size_padded=40000)) == 32768
-    with pytest.raises(
-        ConfigError, match=r"page_size_padded=1000 smaller than its unpadded page \(32768 bytes\)"
-    ):
+    with pytest.raises(ConfigError, match=r"page_size_padded=1000 smaller than its unpadded page \(32768 bytes\)"):
         L.page_size_bytes(full(16, 4, 128, DType.FLOAT16, page_size_padded=1000))
 
 
@@ -215,9 +209,7 @@ def test_mamba_pages() -> None:
     assert L.page_size_bytes(mamba()) == 64
     assert L.state_content_size_bytes(mamba()) == 64
     assert L.num_states(mamba()) == 1
-    spec = MambaSpec(
-        block_size=16, shapes=((2, 3), (4,), ()), dtypes=(DType.BFLOAT16, DType.INT8, DType.INT64)
-    )
+    spec = MambaSpec(block_size=16, shapes=((2, 3), (4,), ()), dtypes=(DType.BFLOAT16, DType.INT8, DType.INT64))
     assert L.page_size_bytes(spec) == 12 + 4 + 8
     assert L.page_size_bytes(mamba(page_size_padded=128)) == 128
     assert L.real_page_size_bytes(mamba(page_size_padded=128)) == 64
@@ -259,9 +251,7 @@ def test_spec_flags() -> None:
     assert not L.prefix_cacheable(bounded)
     assert L.prefix_cacheable(msgspec_replace(bounded, bounded_replay=False))
     assert L.prefix_cacheable(full()) and L.prefix_cacheable(mamba()) and L.prefix_cacheable(swa())
-    assert not L.prefix_cacheable(
-        UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": full(), "b": bounded})
-    )
+    assert not L.prefix_cacheable(UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": full(), "b": bounded}))
     assert L.spec_kind(bounded) == "sliding_window_mla"
 
 
@@ -385,9 +375,7 @@ def test_multi_group_without_hashing_consumers_uses_lcm() -> None:
 def test_multi_group_mamba_outside_align_mode_falls_back() -> None:
     config = kv(group(full(16)), group(mamba(24, "none")))
     assert L.resolve_kv_cache_block_sizes(config, engine()) == (48, 48)
-    wrapped = kv(
-        group(full(16)), group(UniformTypeKVCacheSpecs(block_size=24, kv_cache_specs={"m": mamba(24, "all")}))
-    )
+    wrapped = kv(group(full(16)), group(UniformTypeKVCacheSpecs(block_size=24, kv_cache_specs={"m": mamba(24, "all")})))
     assert L.resolve_kv_cache_block_sizes(wrapped, engine()) == (48, 48)
     assert L.resolve_kv_cache_block_sizes(kv(group(full(16)), group(mamba(32))), engine()) == (32, 16)
 
@@ -413,9 +401,7 @@ def test_only_prefix_cacheable_groups_set_the_hash() -> None:
     )
     config = kv(group(mla(32)), group(bounded))
     assert L.resolve_kv_cache_block_sizes(config, engine()) == (32, 32)
-    with pytest.raises(
-        OffloadingConfigError, match=r"Got group block sizes=\[32, 8\], prefix-cacheable=\[32\]"
-    ):
+    with pytest.raises(OffloadingConfigError, match=r"Got group block sizes=\[32, 8\], prefix-cacheable=\[32\]"):
         L.resolve_kv_cache_block_sizes(config, engine(pmu=64))
     # When no group is prefix-cacheable, every size counts.
     only_bounded = kv(group(bounded), group(msgspec_replace(bounded, block_size=12)))

@@ -67,9 +67,7 @@ def _cases_file() -> Path:
     raise FileNotFoundError("shared/cases/translate.jsonl not found beside the repository")
 
 
-CASES: list[dict[str, Any]] = [
-    json.loads(line) for line in _cases_file().read_text().splitlines() if line.strip()
-]
+CASES: list[dict[str, Any]] = [json.loads(line) for line in _cases_file().read_text().splitlines() if line.strip()]
 
 
 def _outcome(engine_config: EngineConfig, kv: KVCacheConfig) -> dict[str, Any]:
@@ -100,9 +98,7 @@ def test_shared_case_scheduler_view_agrees(case: dict[str, Any]) -> None:
     flat = _outcome(snapshot.engine_config, flatten_for_scheduler(snapshot.kv_cache_config))
     groups = snapshot.kv_cache_config.kv_cache_groups
     if len(groups) == 1 and isinstance(groups[0].kv_cache_spec, UniformTypeKVCacheSpecs) and "ok" in flat:
-        flat["ok"]["parallel"]["is_parallelism_agnostic"] = wrapped["ok"]["parallel"][
-            "is_parallelism_agnostic"
-        ]
+        flat["ok"]["parallel"]["is_parallelism_agnostic"] = wrapped["ok"]["parallel"]["is_parallelism_agnostic"]
     assert flat == wrapped
 
 
@@ -300,17 +296,11 @@ def test_chunking_options() -> None:
     assert build_offloading_config(eng(extra={"blocks_per_chunk": 3}), kv).cache.blocks_per_chunk == 3
     assert build_offloading_config(eng(extra={"block_size": 64}), kv).cache.blocks_per_chunk == 4
     assert (
-        build_offloading_config(
-            eng(extra={"blocks_per_chunk": None, "block_size": 32}), kv
-        ).cache.blocks_per_chunk
-        == 2
+        build_offloading_config(eng(extra={"blocks_per_chunk": None, "block_size": 32}), kv).cache.blocks_per_chunk == 2
     )
     # int() like vLLM: 2.5 -> 2, "4" -> 4, True -> 1.
     for value, expected in ((2.5, 2), ("4", 4), (True, 1), (" 7 ", 7)):
-        assert (
-            build_offloading_config(eng(extra={"blocks_per_chunk": value}), kv).cache.blocks_per_chunk
-            == expected
-        )
+        assert build_offloading_config(eng(extra={"blocks_per_chunk": value}), kv).cache.blocks_per_chunk == expected
     assert build_offloading_config(eng(extra={"block_size": "48"}), kv).cache.blocks_per_chunk == 3
     assert build_offloading_config(eng(extra={"block_size": 64.9}), kv).cache.blocks_per_chunk == 4
 
@@ -421,14 +411,10 @@ def test_worker_bytes_from_the_backing_allocation() -> None:
 
 def test_worker_bytes_fallbacks() -> None:
     assert build_offloading_config(eng(), kvc(group(full()), num_blocks=0)).worker_kv_bytes_per_block == 0
-    kv = kvc(
-        group(full(16, 4, 128), "a", "b"), group(mamba(16), "m"), group(full(), "x", enable_kv_transfer=False)
-    )
+    kv = kvc(group(full(16, 4, 128), "a", "b"), group(mamba(16), "m"), group(full(), "x", enable_kv_transfer=False))
     assert build_offloading_config(eng(), kv).worker_kv_bytes_per_block == 2 * 32768 + 64
     wrapper = wrap(a=mla(16, 576, alignment=4096), b=mla(16, 576, alignment=4096))
-    assert (
-        build_offloading_config(eng(), kvc(group(wrapper, "a", "b"))).worker_kv_bytes_per_block == 2 * 20480
-    )
+    assert build_offloading_config(eng(), kvc(group(wrapper, "a", "b"))).worker_kv_bytes_per_block == 2 * 20480
 
 
 def test_padded_page_smaller_than_unpadded_fails_like_vllm() -> None:
@@ -463,11 +449,7 @@ def test_model_dtype_events_and_verbatim_fields() -> None:
         ),
         kvc(group(full())),
     )
-    assert (
-        config.model.dtype == "bfloat16"
-        and config.model.name == "test/model"
-        and config.model.max_model_len == 2048
-    )
+    assert config.model.dtype == "bfloat16" and config.model.name == "test/model" and config.model.max_model_len == 2048
     assert config.enable_kv_cache_events and config.extra_config == extra and config.engine_id == "engine-0"
     p = config.parallel
     assert (p.rank, p.data_parallel_index, p.data_parallel_size, p.data_parallel_rank_local) == (1, 2, 4, 1)
@@ -508,10 +490,7 @@ def test_hybrid_block_sizes_with_small_engine_block() -> None:
     config = build_offloading_config(eng(block_size=4), kv)
     assert ([g.tokens_per_block for g in config.groups], config.cache.tokens_per_hash) == ([12, 16], 4)
     assert config.cache.blocks_per_chunk == 1
-    assert (
-        build_offloading_config(eng(block_size=4, extra={"blocks_per_chunk": 2}), kv).cache.blocks_per_chunk
-        == 2
-    )
+    assert build_offloading_config(eng(block_size=4, extra={"blocks_per_chunk": 2}), kv).cache.blocks_per_chunk == 2
 
 
 def _mla_tp(tp: int, **kw: Any) -> tuple[EngineConfig, KVCacheConfig]:
@@ -559,9 +538,7 @@ def test_replicated_layout_ignores_spec_types_in_the_direct_gate() -> None:
 
 
 def test_is_parallelism_agnostic_direct_gate() -> None:
-    assert build_offloading_config(
-        eng(tp=2, total_heads=8), kvc(group(full(heads=4)))
-    ).parallel.is_parallelism_agnostic
+    assert build_offloading_config(eng(tp=2, total_heads=8), kvc(group(full(heads=4)))).parallel.is_parallelism_agnostic
     negatives = [
         (eng(tp=2, total_heads=8), kvc(group(full(heads=8)))),  # replicated GQA heads
         (eng(tp=1, total_heads=1), kvc(group(mla()))),
@@ -579,9 +556,7 @@ def test_is_parallelism_agnostic_direct_gate() -> None:
 def test_is_parallelism_agnostic_differs_per_process_for_a_single_wrapper() -> None:
     kv = kvc(group(wrap(a=full(), b=full()), "a", "b"))
     assert not build_offloading_config(eng(), kv).parallel.is_parallelism_agnostic  # worker: a wrapper
-    assert build_offloading_config(
-        eng(), flatten_for_scheduler(kv)
-    ).parallel.is_parallelism_agnostic  # scheduler
+    assert build_offloading_config(eng(), flatten_for_scheduler(kv)).parallel.is_parallelism_agnostic  # scheduler
 
 
 CANONICAL: dict[str, object] = {"canonical_layout": True}
@@ -652,9 +627,7 @@ CANONICAL: dict[str, object] = {"canonical_layout": True}
         ("dcp", {"tp": 2, "dcp": 2, "world": 2}, kvc(group(mla())), False),
     ],
 )
-def test_canonical_certification(
-    name: str, engine_kw: dict[str, Any], kv: KVCacheConfig, agnostic: bool
-) -> None:
+def test_canonical_certification(name: str, engine_kw: dict[str, Any], kv: KVCacheConfig, agnostic: bool) -> None:
     config = build_offloading_config(eng(extra=CANONICAL, **engine_kw), kv)
     assert config.canonical_layout
     assert config.parallel.is_parallelism_agnostic is agnostic, name
@@ -672,15 +645,9 @@ def test_canonical_mla_page_must_split_per_token() -> None:
 def test_canonical_replicated_layout_is_recomputed() -> None:
     # Certified pure MLA -> replicated even without kv_tp_replicas, and even with 'uni' on one worker.
     assert build_offloading_config(eng(tp=2, extra=CANONICAL), kvc(group(mla()))).replicated_layout
-    assert build_offloading_config(
-        eng(tp=1, backend="uni", extra=CANONICAL), kvc(group(mla()))
-    ).replicated_layout
-    assert not build_offloading_config(
-        eng(tp=2, backend="ray", extra=CANONICAL), kvc(group(mla()))
-    ).replicated_layout
-    assert not build_offloading_config(
-        eng(tp=2, nnodes=2, extra=CANONICAL), kvc(group(mla()))
-    ).replicated_layout
+    assert build_offloading_config(eng(tp=1, backend="uni", extra=CANONICAL), kvc(group(mla()))).replicated_layout
+    assert not build_offloading_config(eng(tp=2, backend="ray", extra=CANONICAL), kvc(group(mla()))).replicated_layout
+    assert not build_offloading_config(eng(tp=2, nnodes=2, extra=CANONICAL), kvc(group(mla()))).replicated_layout
     # Certified, but the offloaded layers are not all plain MLA.
     kv = kvc(group(full(heads=4)), group(swa(heads=4)))
     assert not build_offloading_config(eng(tp=1, extra=CANONICAL), kv).replicated_layout
@@ -693,9 +660,7 @@ def test_canonical_replicated_layout_is_recomputed() -> None:
 def test_canonical_layout_is_python_truthiness() -> None:
     for value, expected in ((True, True), ("false", True), (1, True), (0, False), ("", False), (None, False)):
         assert (
-            build_offloading_config(
-                eng(extra={"canonical_layout": value}), kvc(group(full()))
-            ).canonical_layout
+            build_offloading_config(eng(extra={"canonical_layout": value}), kvc(group(full()))).canonical_layout
             is expected
         )
 
@@ -756,9 +721,7 @@ def test_wrapped_and_flattened_views_agree(
     flat = _outcome(engine_config, flatten_for_scheduler(kv))
     if not extra_groups and "ok" in wrapped and "ok" in flat:
         # vLLM's documented per-process difference (single wrapped group).
-        flat["ok"]["parallel"]["is_parallelism_agnostic"] = wrapped["ok"]["parallel"][
-            "is_parallelism_agnostic"
-        ]
+        flat["ok"]["parallel"]["is_parallelism_agnostic"] = wrapped["ok"]["parallel"]["is_parallelism_agnostic"]
     assert wrapped == flat
 
 
@@ -777,10 +740,7 @@ def test_explain_names_the_failing_gate_of_a_non_replicated_mla_layout() -> None
     assert failing == {"replicated_layout.kv_tp_replicas==tp", "replicated_layout.backend==mp"}
     verdict = explanation.find("replicated_layout")
     assert verdict.value is False and "kv_tp_replicas==tp, backend==mp" in verdict.reason
-    assert (
-        "kv_tp_replicas=1, tensor_parallel_size=8"
-        in explanation.find("replicated_layout.kv_tp_replicas==tp").reason
-    )
+    assert "kv_tp_replicas=1, tensor_parallel_size=8" in explanation.find("replicated_layout.kv_tp_replicas==tp").reason
     text = explanation.render()
     assert "replicated_layout.backend==mp = False" in text and "distributed_executor_backend='ray'" in text
 
@@ -798,10 +758,7 @@ def test_explain_reports_groups_hash_chunk_and_bytes() -> None:
     assert "gcd(16, 16, 16)=16" in explanation.find("tokens_per_hash").reason
     assert explanation.find("blocks_per_chunk").value == 4
     assert "'block_size']=64" in explanation.find("blocks_per_chunk").reason
-    assert (
-        "kv_cache_tensors[0].size=4096 // num_blocks=4"
-        in explanation.find("worker_kv_bytes_per_block").reason
-    )
+    assert "kv_cache_tensors[0].size=4096 // num_blocks=4" in explanation.find("worker_kv_bytes_per_block").reason
     assert explanation.find("group[2].sliding_window_size_in_chunks").value == 1
     with pytest.raises(KeyError):
         explanation.find("no-such-topic")
@@ -847,9 +804,7 @@ def test_load_snapshot_json_and_toml(tmp_path: Path) -> None:
     json_file.write_text(json.dumps(doc))
     toml_file = tmp_path / "s.toml"
     toml_file.write_text(to_toml(doc))
-    assert (
-        tomllib.loads(toml_file.read_text())["engine_config"]["model_config"]["model"] == "google/gemma-3-4b"
-    )
+    assert tomllib.loads(toml_file.read_text())["engine_config"]["model_config"]["model"] == "google/gemma-3-4b"
     a, b = load_snapshot(json_file), load_snapshot(str(toml_file))
     assert isinstance(a, EngineSnapshot) and a == b
     assert translate_snapshot(a) == translate_snapshot(b)
@@ -979,9 +934,7 @@ def _snapshots(draw: st.DrawFn) -> dict[str, object]:
             spec: dict[str, object] = {
                 "type": "uniform_type",
                 "block_size": draw(block),
-                "kv_cache_specs": {
-                    n: draw(_layer_specs(block)) for n in names[: draw(st.integers(0, len(names)))]
-                },
+                "kv_cache_specs": {n: draw(_layer_specs(block)) for n in names[: draw(st.integers(0, len(names)))]},
             }
         else:
             spec = draw(_layer_specs(block))

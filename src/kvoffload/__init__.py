@@ -74,7 +74,16 @@ from .offload.keys import hash_token_blocks, make_offload_key
 from .offload.manager import HostBlockManager, LookupResult, ManagerStats, OffloadEvent, StorePlan
 from .offload.policy import register_policy
 from .offload.scheduler import OffloadScheduler, ReportOutcome, SchedulerStats
-from .packed import Int32Array, Int64Array
+from .packed import (
+    Int32Array,
+    Int32Bytes,
+    Int64Array,
+    Int64Bytes,
+    pack_int32,
+    pack_int64,
+    unpack_int32,
+    unpack_int64,
+)
 from .translate import (
     Decision,
     Explanation,
@@ -142,7 +151,9 @@ __all__ = [
     "HostPool",
     "HostPoolPlan",
     "Int32Array",
+    "Int32Bytes",
     "Int64Array",
+    "Int64Bytes",
     "InvalidStateError",
     "JobResult",
     "KVCacheConfig",
@@ -200,10 +211,14 @@ __all__ = [
     "hash_token_blocks",
     "load_snapshot",
     "make_offload_key",
+    "pack_int32",
+    "pack_int64",
     "plan_host_pool",
     "plan_host_pool_from_config",
     "register_policy",
     "transfer_layout_from_config",
     "translate_snapshot",
+    "unpack_int32",
+    "unpack_int64",
     "wire",
 ]

@@ -38,7 +38,7 @@ from .offload.host_pool import plan_host_pool_from_config
 from .offload.keys import hash_token_blocks
 from .offload.manager import HostBlockManager
 from .offload.scheduler import OffloadScheduler
-from .packed import Int64Array
+from .packed import Int32Array, Int64Array
 from .runtime.cluster import WorkerCluster
 from .runtime.sim_engine import block_seed
 from .translate import translate_snapshot
@@ -280,9 +280,11 @@ class _Demo:
         flat: list[int] = []
         for job in plan.load_jobs:
             req = self.running[job.req_id]
-            ids = job.block_ids.tolist()
+            ids = Int64Array.from_buffer(job.block_ids).tolist()
+            sizes = Int32Array.from_buffer(job.group_sizes).tolist()
+            starts = Int32Array.from_buffer(job.block_indices).tolist()
             at = 0
-            for g, (size, start) in enumerate(zip(job.group_sizes, job.block_indices, strict=True)):
+            for g, (size, start) in enumerate(zip(sizes, starts, strict=True)):
                 for i in range(size):
                     flat += (job.job_id, g, ids[at + i], self.seed_of(req, g, start + i))
                 at += size

@@ -256,7 +256,10 @@ def decode(frames: Sequence[Buffer], *, max_body_bytes: int = DEFAULT_MAX_BODY_B
     """Decode frames produced by `encode` (possibly by a peer on another minor version).
 
     Raises WireError (truncated, oversized, corrupted, unknown kind, wrong frame count) or
-    SchemaMismatchError (another major version); never returns a partly decoded message.
+    SchemaMismatchError (another major version); never returns a partly decoded message. Packed array
+    fields arrive as bytes (decoded natively, the fast path); their length is checked when they are viewed
+    (`unpack_int64`, `Int64Array.from_buffer`), which raises WireError for a length that is not a whole
+    number of items.
     """
     if not frames:
         raise WireError("no frames: a wire message has at least the header frame")

@@ -162,9 +162,7 @@ def test_field_added_without_default_or_since(tmp_path: Path) -> None:
 
 
 def test_since_not_newer_than_old_version(tmp_path: Path) -> None:
-    found = findings(
-        tmp_path, edit(D_LINE, D_LINE + '\n  { name = "e", type = "int", default = 1, since = "1.1" },')
-    )
+    found = findings(tmp_path, edit(D_LINE, D_LINE + '\n  { name = "e", type = "int", default = 1, since = "1.1" },'))
     assert [f.rule for f in found] == ["FIELD_ADDED_WITHOUT_SINCE"]
     assert "since '1.1', but 1.1 does not have it" in found[0].message
 
@@ -211,9 +209,7 @@ def test_constraint_tightening_variants(tmp_path: Path, old: str, new: str) -> N
         lambda t: edit('"red", "green"]', '"red", "green", "blue"]', t),  # enum value added
         lambda t: edit(D_LINE, D_LINE + '\n  { name = "e", type = "int", default = 1, since = "1.2" },', t),
         lambda t: edit(Z_LINE, Z_LINE + '\n  { name = "n", type = "int", default = 0, since = "1.2" },', t),
-        lambda t: edit(
-            B_LINE, '  { name = "b", type = "str", default = "x", removed = "1.2" },', t
-        ),  # tombstone
+        lambda t: edit(B_LINE, '  { name = "b", type = "str", default = "x", removed = "1.2" },', t),  # tombstone
         lambda t: edit(Y_LINE, '  { name = "y", type = "str", default = "", removed = "1.2" },', t).replace(
             X_LINE, '  { name = "x", type = "int", default = 0 },'
         ),  # array-layout tombstone keeps the position
@@ -237,9 +233,7 @@ def test_locations_point_at_the_new_file_and_line(tmp_path: Path) -> None:
     line = new_text.splitlines().index('  { name = "a", type = "str" },') + 1
     assert finding.file.endswith("new.toml") and finding.line == line
     assert finding.format().endswith(f"new.toml:{line})")
-    (removed,) = findings(
-        tmp_path, edit('[struct.Extra]\nfields = [{ name = "q", type = "int", default = 0 }]\n', "")
-    )
+    (removed,) = findings(tmp_path, edit('[struct.Extra]\nfields = [{ name = "q", type = "int", default = 0 }]\n', ""))
     assert removed.file.endswith("old.toml") and removed.line == BASE.splitlines().index("[struct.Extra]") + 1
 
 
@@ -279,9 +273,7 @@ def test_main_ok(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_main_reports_and_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "old.toml").write_text(BASE)
-    (tmp_path / "new.toml").write_text(
-        edit(B_LINE + "\n", "", edit(A_LINE, '  { name = "a", type = "str" },'))
-    )
+    (tmp_path / "new.toml").write_text(edit(B_LINE + "\n", "", edit(A_LINE, '  { name = "a", type = "str" },')))
     assert main([str(tmp_path / "old.toml"), str(tmp_path / "new.toml")]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("FIELD_REMOVED Cfg.b: [WIRE] field removed without a tombstone")

@@ -213,7 +213,7 @@ def test_abstract_struct_is_not_a_field_type() -> None:
 def test_invalid_toml_and_bad_version() -> None:
     with pytest.raises(SchemaError, match="invalid TOML"):
         load_schema_text("[schema\n", file="x.toml")
-    with pytest.raises(SchemaError, match="major.minor"):
+    with pytest.raises(SchemaError, match=r"major\.minor"):
         load_schema_text('[schema]\nname = "t"\nversion = "1"\n', file="x.toml")
 
 

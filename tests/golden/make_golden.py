@@ -21,8 +21,6 @@ from kvoffload import (
     BlockRemoved,
     BlockStored,
     Hello,
-    Int32Array,
-    Int64Array,
     JobResult,
     KVEventBatch,
     Medium,
@@ -35,6 +33,7 @@ from kvoffload import (
     wire,
 )
 from kvoffload._generated.types import Message
+from kvoffload.packed import pack_int32, pack_int64
 
 HERE = Path(__file__).resolve().parent
 
@@ -43,10 +42,10 @@ def _job(job_id: int, blocks: int, *, sync: bool = False) -> TransferJob:
     return TransferJob(
         job_id=job_id,
         req_id=f"cmpl-{job_id:04d}",
-        group_sizes=Int32Array([blocks - 1, 1]),
-        block_indices=Int32Array([0, 7]),
-        block_ids=Int64Array(range(1000 + job_id, 1000 + job_id + blocks)),
-        chunk_ids=Int64Array([2**33 + job_id, -1]),
+        group_sizes=pack_int32([blocks - 1, 1]),
+        block_indices=pack_int32([0, 7]),
+        block_ids=pack_int64(range(1000 + job_id, 1000 + job_id + blocks)),
+        chunk_ids=pack_int64([2**33 + job_id, -1]),
         sync=sync,
     )
 
@@ -73,7 +72,7 @@ def golden_messages() -> list[tuple[str, Message, list[bytes]]]:
                 step=2**40,
                 load_jobs=(_job(1, 4, sync=True),),
                 store_jobs=(_job(2, 3), _job(3, 1)),
-                flush=Int64Array([7, 8]),
+                flush=pack_int64([7, 8]),
             ),
             [],
         ),
@@ -104,7 +103,7 @@ def golden_messages() -> list[tuple[str, Message, list[bytes]]]:
                     BlockStored(
                         block_hashes=(bytes(range(16)),),
                         parent_block_hash=None,
-                        token_ids=Int32Array([1, 2, 3, -4]),
+                        token_ids=pack_int32([1, 2, 3, -4]),
                         block_size=4,
                         group_idx=2,
                         medium=Medium.STORAGE,
@@ -148,9 +147,7 @@ def write(root: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description="Write the golden wire frames of the current schema version."
-    )
+    parser = argparse.ArgumentParser(description="Write the golden wire frames of the current schema version.")
     parser.add_argument("--out", type=Path, default=HERE, help="parent directory (default: tests/golden)")
     args = parser.parse_args(argv)
     try:

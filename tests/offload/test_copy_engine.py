@@ -79,17 +79,13 @@ def block_major(groups: list[list[tuple[str, int]]], num_blocks: int) -> Engine:
     return _sized(placements, groups, num_blocks, stride * num_blocks)
 
 
-def _sized(
-    placements: list[Placement], groups: list[list[tuple[str, int]]], num_blocks: int, size: int
-) -> Engine:
+def _sized(placements: list[Placement], groups: list[list[tuple[str, int]]], num_blocks: int, size: int) -> Engine:
     fixed = [Placement(size, p.layers, p.layer_stride, p.block_stride, p.offset) for p in placements]
     return Engine(fixed, groups, num_blocks, size)
 
 
 def make_layout(engine: Engine, wkb: int | None = None) -> TransferLayout:
-    wkb = (
-        engine.size // max(engine.num_blocks, 1) if wkb is None else wkb
-    )  # as vLLM: whole allocation per block
+    wkb = engine.size // max(engine.num_blocks, 1) if wkb is None else wkb  # as vLLM: whole allocation per block
     return build_transfer_layout(
         engine.placements, engine.groups, num_blocks=engine.num_blocks, worker_kv_bytes_per_block=wkb
     )
@@ -132,9 +128,7 @@ def byte_pairs(triples: Sequence[tuple[int, int, int]]) -> Counter[tuple[int, in
 
 
 def runs_as_triples(runs: CopyRuns) -> list[tuple[int, int, int]]:
-    return list(
-        zip(runs.engine_offsets.tolist(), runs.host_offsets.tolist(), runs.lengths.tolist(), strict=True)
-    )
+    return list(zip(runs.engine_offsets.tolist(), runs.host_offsets.tolist(), runs.lengths.tolist(), strict=True))
 
 
 def make_pool(wkb: int, bpc: int, num_chunks: int) -> HostPool:
@@ -173,9 +167,7 @@ def test_layer_major_layout_packs_pages_in_the_slot() -> None:
 def test_block_major_layout_is_one_segment_per_block() -> None:
     engine = block_major([[("l0", 48), ("l1", 16), ("l2", 48)]], num_blocks=6)
     (group,) = make_layout(engine).groups
-    assert [(s.engine_offset, s.block_stride, s.length, s.host_offset) for s in group.segments] == [
-        (0, 112, 112, 0)
-    ]
+    assert [(s.engine_offset, s.block_stride, s.length, s.host_offset) for s in group.segments] == [(0, 112, 112, 0)]
     assert [x.host_offset for x in group.layers] == [0, 48, 64]
 
 
@@ -204,14 +196,11 @@ def test_host_order_follows_engine_order() -> None:
         (
             [[("a", 8), ("b", 8)]],
             15,
-            "group 0: its pages take 16 bytes per block, more than the host slot of "
-            "worker_kv_bytes_per_block=15",
+            "group 0: its pages take 16 bytes per block, more than the host slot of worker_kv_bytes_per_block=15",
         ),
     ],
 )
-def test_layout_errors_name_layer_and_numbers(
-    groups: list[list[tuple[str, int]]], wkb: int, match: str
-) -> None:
+def test_layout_errors_name_layer_and_numbers(groups: list[list[tuple[str, int]]], wkb: int, match: str) -> None:
     placements = [Placement(size=64, layers=("a", "b"), layer_stride=32, block_stride=8)]
     with pytest.raises(ConfigError, match=match):
         build_transfer_layout(placements, groups, num_blocks=4, worker_kv_bytes_per_block=wkb)
@@ -219,9 +208,7 @@ def test_layout_errors_name_layer_and_numbers(
 
 def test_layout_page_outside_allocation() -> None:
     placements = [Placement(size=60, layers=("a", "b"), layer_stride=32, block_stride=8)]
-    with pytest.raises(
-        ConfigError, match=r"layer 'b': the page of block 3 ends at byte 64, beyond .*size=60"
-    ):
+    with pytest.raises(ConfigError, match=r"layer 'b': the page of block 3 ends at byte 64, beyond .*size=60"):
         build_transfer_layout(placements, [[("b", 8)]], num_blocks=4, worker_kv_bytes_per_block=16)
 
 
@@ -230,9 +217,7 @@ def test_layout_rejects_layer_in_two_placements_and_negative_fields() -> None:
     with pytest.raises(ConfigError, match=r"layer 'a' is placed by kv_cache_tensors\[0\] and \[1\]"):
         build_transfer_layout(twice, [[("a", 8)]], num_blocks=4, worker_kv_bytes_per_block=8)
     with pytest.raises(ConfigError, match=r"kv_cache_tensors\[0\].offset=-8 must be >= 0"):
-        build_transfer_layout(
-            [Placement(64, ("a",), 0, 8, -8)], [], num_blocks=4, worker_kv_bytes_per_block=8
-        )
+        build_transfer_layout([Placement(64, ("a",), 0, 8, -8)], [], num_blocks=4, worker_kv_bytes_per_block=8)
 
 
 def test_layout_rejects_overlapping_pages() -> None:
@@ -245,9 +230,7 @@ def test_generated_kv_cache_tensor_is_a_placement() -> None:
     from kvoffload._generated import KVCacheTensor
 
     tensor = KVCacheTensor(size=256, layers=("a", "b"), layer_stride=128, block_stride=32)
-    layout = build_transfer_layout(
-        [tensor], [[("a", 32), ("b", 32)]], num_blocks=4, worker_kv_bytes_per_block=64
-    )
+    layout = build_transfer_layout([tensor], [[("a", 32), ("b", 32)]], num_blocks=4, worker_kv_bytes_per_block=64)
     assert [x.engine_offset for x in layout.groups[0].layers] == [0, 128]
 
 
@@ -270,9 +253,7 @@ def test_transfer_layout_from_config() -> None:
     names = ("layers.0", "layers.1")
     kv_cache_config = KVCacheConfig(
         num_blocks=10,
-        kv_cache_tensors=(
-            KVCacheTensor(size=20 * page, layers=names, layer_stride=10 * page, block_stride=page),
-        ),
+        kv_cache_tensors=(KVCacheTensor(size=20 * page, layers=names, layer_stride=10 * page, block_stride=page),),
         kv_cache_groups=(KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec),),
     )
     config = OffloadingConfig(
@@ -541,10 +522,7 @@ def test_round_trip_big_job_uses_helper_threads() -> None:
         make_pool(layout.worker_kv_bytes_per_block, bpc=2, num_chunks=4) as pool,
         CopyEngine(kv, layout, pool, cpu_threads=2) as mover,
     ):
-        assert (
-            len(mover.plan_runs(group_sizes=[4], block_indices=[0], block_ids=[2, 3, 4, 5], chunk_ids=[1, 2]))
-            == 1
-        )
+        assert len(mover.plan_runs(group_sizes=[4], block_indices=[0], block_ids=[2, 3, 4, 5], chunk_ids=[1, 2])) == 1
         mover.submit_store(1, group_sizes=[4], block_indices=[0], block_ids=[2, 3, 4, 5], chunk_ids=[1, 2])
         kv_view = kv.view(8, -1)
         mover.wait([1])
@@ -569,9 +547,7 @@ def test_ids_accept_tensors_lists_and_arrays(
         for job_id, ids in enumerate(forms):
             mover.submit_store(job_id, group_sizes=[3, 0], block_indices=[0, 0], block_ids=ids, chunk_ids=[4])
         mover.wait(range(3))
-        assert [(r.job_id, r.success, r.num_bytes) for r in mover.poll()] == [
-            (i, True, 3 * 128) for i in range(3)
-        ]
+        assert [(r.job_id, r.success, r.num_bytes) for r in mover.poll()] == [(i, True, 3 * 128) for i in range(3)]
 
 
 def test_completion_is_fifo_per_direction_with_bytes(
@@ -580,13 +556,9 @@ def test_completion_is_fifo_per_direction_with_bytes(
     _, layout, pool, kv = mixed
     with CopyEngine(kv, layout, pool) as mover:
         for job_id in (7, 3, 9):
-            mover.submit_store(
-                job_id, group_sizes=[2, 1], block_indices=[0, 0], block_ids=[1, 2, 3], chunk_ids=[0, 1]
-            )
+            mover.submit_store(job_id, group_sizes=[2, 1], block_indices=[0, 0], block_ids=[1, 2, 3], chunk_ids=[0, 1])
         for job_id in (4, 8):
-            mover.submit_load(
-                job_id, group_sizes=[0, 3], block_indices=[0, 0], block_ids=[5, 6, 7], chunk_ids=[2]
-            )
+            mover.submit_load(job_id, group_sizes=[0, 3], block_indices=[0, 0], block_ids=[5, 6, 7], chunk_ids=[2])
         mover.wait([7, 3, 9, 4, 8])
         results = mover.poll()
         assert mover.poll() == []
@@ -692,9 +664,7 @@ def test_hand_built_layout_outside_memory_is_rejected(
     bad = dataclasses.replace(layout, groups=(group, layout.groups[1]))
     with (
         CopyEngine(kv, bad, pool) as mover,
-        pytest.raises(
-            ConfigError, match=r"job 1: runs reach engine bytes \[7744, 7808\) outside \[0, 7680\)"
-        ),
+        pytest.raises(ConfigError, match=r"job 1: runs reach engine bytes \[7744, 7808\) outside \[0, 7680\)"),
     ):
         mover.submit_store(1, group_sizes=[1, 0], block_indices=[0, 0], block_ids=[1], chunk_ids=[0])
 

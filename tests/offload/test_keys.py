@@ -214,8 +214,6 @@ def test_hash_token_blocks_matches_chained_sha256(tokens: list[int], tph: int) -
     expected = []
     prev = _sha(DEFAULT_HASH_SEED)
     for j in range(len(tokens) // tph):
-        prev = _sha(
-            prev + b"".join(t.to_bytes(8, "little", signed=True) for t in tokens[j * tph : (j + 1) * tph])
-        )
+        prev = _sha(prev + b"".join(t.to_bytes(8, "little", signed=True) for t in tokens[j * tph : (j + 1) * tph]))
         expected.append(prev)
     assert hash_token_blocks(tokens, tph) == expected

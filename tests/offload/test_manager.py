@@ -45,9 +45,7 @@ def plan(manager: HostBlockManager, ids: Sequence[int], **kwargs: str) -> StoreP
     return result
 
 
-def check_plan(
-    result: StorePlan | None, to_store: list[int], chunk_ids: list[int], evicted: list[int]
-) -> None:
+def check_plan(result: StorePlan | None, to_store: list[int], chunk_ids: list[int], evicted: list[int]) -> None:
     assert result is not None
     assert result.keys_to_store == ks(to_store)
     assert result.chunk_ids == chunk_ids

@@ -24,6 +24,7 @@ from kvoffload import (
 from kvoffload.offload.keys import make_offload_key
 from kvoffload.offload.manager import HostBlockManager, LookupResult
 from kvoffload.offload.scheduler import OffloadScheduler
+from kvoffload.packed import unpack_int32, unpack_int64
 
 TPH = 16
 
@@ -71,15 +72,12 @@ def hashes(prefix: str, n: int, *, shared: int = 0, base: str = "p") -> list[byt
     return out
 
 
-def report(
-    plan_jobs: list[TransferJob], rank: int, *, success: bool = True, store: bool = True
-) -> WorkerReport:
+def report(plan_jobs: list[TransferJob], rank: int, *, success: bool = True, store: bool = True) -> WorkerReport:
     return WorkerReport(
         rank=rank,
         step=0,
         results=tuple(
-            JobResult(job_id=j.job_id, success=success, is_store=store, num_bytes=100, seconds=0.01)
-            for j in plan_jobs
+            JobResult(job_id=j.job_id, success=success, is_store=store, num_bytes=100, seconds=0.01) for j in plan_jobs
         ),
     )
 
@@ -104,10 +102,10 @@ def test_store_then_full_prefix_hit_and_load() -> None:
     plan = store_prefix(sched, "a", hs, [10, 11, 12, 13])
     assert plan.load_jobs == () and len(plan.store_jobs) == 1
     job = plan.store_jobs[0]
-    assert job.block_ids.tolist() == [10, 11, 12, 13]
-    assert job.group_sizes.tolist() == [4] and job.block_indices.tolist() == [0]
+    assert unpack_int64(job.block_ids) == [10, 11, 12, 13]
+    assert unpack_int32(job.group_sizes) == [4] and unpack_int32(job.block_indices) == [0]
     keys = [make_offload_key(h, 0) for h in hs]
-    assert job.chunk_ids.tolist() == [manager.chunk_id(k) for k in keys] == [0, 1, 2, 3]
+    assert unpack_int64(job.chunk_ids) == [manager.chunk_id(k) for k in keys] == [0, 1, 2, 3]
 
     # While the store is in flight a second request with the same prefix must wait, not recompute.
     sched.add_request("b", hs, 64)
@@ -122,8 +120,8 @@ def test_store_then_full_prefix_hit_and_load() -> None:
     sched.on_blocks_allocated("b", [[20, 21, 22, 23]], num_external_tokens=48)
     plan = sched.build_step_plan()
     (load,) = plan.load_jobs
-    assert load.block_ids.tolist() == [20, 21, 22] and load.chunk_ids.tolist() == [0, 1, 2]
-    assert load.group_sizes.tolist() == [3] and load.block_indices.tolist() == [0]
+    assert unpack_int64(load.block_ids) == [20, 21, 22] and unpack_int64(load.chunk_ids) == [0, 1, 2]
+    assert unpack_int32(load.group_sizes) == [3] and unpack_int32(load.block_indices) == [0]
     outcome = sched.on_worker_reports([report([load], 0, store=False), report([load], 1, store=False)])
     assert outcome.finished_loads == ("b",)
     stats = sched.stats()
@@ -141,7 +139,7 @@ def test_partial_prefix_hit() -> None:
     assert sched.lookup("b", 16) == 16
     sched.on_blocks_allocated("b", [[7, 8, 9, 10]], num_external_tokens=16)
     (load,) = sched.build_step_plan().load_jobs
-    assert load.block_ids.tolist() == [8] and load.block_indices.tolist() == [1]
+    assert unpack_int64(load.block_ids) == [8] and unpack_int32(load.block_indices) == [1]
 
 
 def test_failed_store_never_becomes_a_hit() -> None:
@@ -199,7 +197,7 @@ def test_abort_mid_transfer_releases_pins_and_flushes_stores() -> None:
     sched.on_tokens_computed("c", 16)
     (store,) = sched.build_step_plan().store_jobs
     sched.abort_request("c")
-    assert sched.build_step_plan().flush.tolist() == [store.job_id]
+    assert unpack_int64(sched.build_step_plan().flush) == [store.job_id]
 
 
 def test_lookup_released_when_not_loaded_and_pins_never_leak() -> None:
@@ -222,7 +220,7 @@ def test_fenced_blocks_are_flushed_when_reallocated() -> None:
     sched.add_request("b", hashes("b", 2), 32)
     sched.lookup("b", 0)
     sched.on_blocks_allocated("b", [[2, 3]])
-    assert sched.build_step_plan().flush.tolist() == [plan.store_jobs[0].job_id]
+    assert unpack_int64(sched.build_step_plan().flush) == [plan.store_jobs[0].job_id]
 
 
 def test_prompt_only_and_max_offload_tokens() -> None:
@@ -244,7 +242,7 @@ def test_prompt_only_and_max_offload_tokens() -> None:
     sched2.on_blocks_allocated("x", [[1, 2, 3, 4]])
     sched2.on_tokens_computed("x", 64)
     (job,) = sched2.build_step_plan().store_jobs
-    assert job.block_ids.tolist() == [1, 2]
+    assert unpack_int64(job.block_ids) == [1, 2]
 
 
 def test_allocation_failure_retries_next_step() -> None:
@@ -259,7 +257,7 @@ def test_allocation_failure_retries_next_step() -> None:
     assert sched.stats().allocation_failures == 1
     sched.on_worker_reports([report(list(plan.store_jobs), 0)])
     (job,) = sched.build_step_plan().store_jobs  # retried, now evicting an LRU chunk
-    assert job.block_ids.tolist() == [3]
+    assert unpack_int64(job.block_ids) == [3]
     removed = [e for e in sched.take_events() if isinstance(e, BlockRemoved)]
     assert len(removed) == 1
 
@@ -269,15 +267,15 @@ def test_blocks_per_chunk_two_with_unaligned_local_prefix() -> None:
     hs = hashes("a", 8)  # 128 tokens = 4 chunks of 2 blocks
     plan = store_prefix(sched, "a", hs, list(range(10, 18)))
     (store,) = plan.store_jobs
-    assert store.group_sizes.tolist() == [8] and store.chunk_ids.tolist() == [0, 1, 2, 3]
+    assert unpack_int32(store.group_sizes) == [8] and unpack_int64(store.chunk_ids) == [0, 1, 2, 3]
     sched.on_worker_reports([report([store], 0)])
     sched.add_request("b", hs, 128)
     # Local prefix cache already holds 1 block (16 tokens): the load starts mid-chunk.
     assert sched.lookup("b", 16) == 96 - 16
     sched.on_blocks_allocated("b", [list(range(20, 28))], num_external_tokens=80)
     (load,) = sched.build_step_plan().load_jobs
-    assert load.block_indices.tolist() == [1] and load.block_ids.tolist() == [21, 22, 23, 24, 25]
-    assert load.chunk_ids.tolist() == [0, 1, 2]
+    assert unpack_int32(load.block_indices) == [1] and unpack_int64(load.block_ids) == [21, 22, 23, 24, 25]
+    assert unpack_int64(load.chunk_ids) == [0, 1, 2]
 
 
 def test_two_groups_full_and_sliding_window() -> None:
@@ -288,7 +286,7 @@ def test_two_groups_full_and_sliding_window() -> None:
     sched.on_blocks_allocated("a", [[1, 2, 3, 4], [11, 12, 13, 14]])
     sched.on_tokens_computed("a", 64)
     (store,) = sched.build_step_plan().store_jobs
-    assert store.group_sizes.tolist() == [4, 4] and store.block_ids.tolist() == [1, 2, 3, 4, 11, 12, 13, 14]
+    assert unpack_int32(store.group_sizes) == [4, 4] and unpack_int64(store.block_ids) == [1, 2, 3, 4, 11, 12, 13, 14]
     sched.on_worker_reports([report([store], 0)])
     # Both groups stored all four chunks.
     manager_keys = [make_offload_key(h, 1) for h in hs]
@@ -298,9 +296,9 @@ def test_two_groups_full_and_sliding_window() -> None:
     sched.on_blocks_allocated("b", [[5, 6, 7, 8], [15, 16, 17, 18]], num_external_tokens=48)
     (load,) = sched.build_step_plan().load_jobs
     # Full attention loads the whole prefix, the sliding-window group only its last window chunk.
-    assert load.group_sizes.tolist() == [3, 1]
-    assert load.block_indices.tolist() == [0, 2]
-    assert load.block_ids.tolist() == [5, 6, 7, 17]
+    assert unpack_int32(load.group_sizes) == [3, 1]
+    assert unpack_int32(load.block_indices) == [0, 2]
+    assert unpack_int64(load.block_ids) == [5, 6, 7, 17]
 
 
 def test_bad_input_is_rejected_with_names() -> None:

@@ -45,9 +45,7 @@ SPECS: dict[str, KVCacheSpec] = {
     "full_padded": FullAttentionSpec(
         block_size=BS, num_kv_heads=2, head_size=8, dtype=DType.FLOAT16, page_size_padded=1100
     ),
-    "mla_aligned": MLAAttentionSpec(
-        block_size=BS, num_kv_heads=1, head_size=36, dtype=DType.BFLOAT16, alignment=256
-    ),
+    "mla_aligned": MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=36, dtype=DType.BFLOAT16, alignment=256),
     "sliding_window": SlidingWindowSpec(
         block_size=BS, num_kv_heads=1, head_size=8, dtype=DType.FLOAT32, sliding_window=32
     ),

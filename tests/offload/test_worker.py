@@ -7,10 +7,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvoffload import Int32Array, Int64Array, StepPlan, TransferJob
+from kvoffload import StepPlan, TransferJob
 from kvoffload.offload.copy_engine import CopyEngine, Placement, build_transfer_layout
 from kvoffload.offload.host_pool import HostPool, plan_host_pool
 from kvoffload.offload.worker import OffloadWorker
+from kvoffload.packed import pack_int32, pack_int64
 
 PAGE = 256
 BLOCKS = 8
@@ -43,10 +44,10 @@ def job(job_id: int, blocks: list[int], chunks: list[int]) -> TransferJob:
     return TransferJob(
         job_id=job_id,
         req_id="r",
-        group_sizes=Int32Array([len(blocks)]),
-        block_indices=Int32Array([0]),
-        block_ids=Int64Array(blocks),
-        chunk_ids=Int64Array(chunks),
+        group_sizes=pack_int32([len(blocks)]),
+        block_indices=pack_int32([0]),
+        block_ids=pack_int64(blocks),
+        chunk_ids=pack_int64(chunks),
     )
 
 
@@ -57,7 +58,7 @@ def step(
     stores: tuple[TransferJob, ...] = (),
     flush: list[int] = (),
 ) -> StepPlan:  # type: ignore[assignment]
-    return StepPlan(step=n, load_jobs=loads, store_jobs=stores, flush=Int64Array(flush))
+    return StepPlan(step=n, load_jobs=loads, store_jobs=stores, flush=pack_int64(flush))
 
 
 def test_store_is_deferred_to_the_next_step_then_loaded_back(
@@ -72,9 +73,7 @@ def test_store_is_deferred_to_the_next_step_then_loaded_back(
     plan1 = step(1, flush=[1])
     w.start_step(plan1)  # submits the deferred store, then waits for it (flush)
     report = w.report(1)
-    assert [(r.job_id, r.success, r.is_store, r.num_bytes) for r in report.results] == [
-        (1, True, True, 4 * PAGE)
-    ]
+    assert [(r.job_id, r.success, r.is_store, r.num_bytes) for r in report.results] == [(1, True, True, 4 * PAGE)]
     memory.zero_()
     plan2 = step(2, loads=(job(2, [5, 6], [0, 1]),))
     w.start_step(plan2)

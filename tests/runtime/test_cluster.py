@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload import Int32Array, Int64Array, StepPlan, TransferJob, WireError
+from kvoffload import Int64Array, StepPlan, TransferJob, WireError
 from kvoffload.demo import DemoOptions, default_snapshot, run_demo
 from kvoffload.offload.manager import HostBlockManager, LookupResult
 from kvoffload.offload.scheduler import OffloadScheduler
+from kvoffload.packed import pack_int32, pack_int64
 from kvoffload.runtime.channel import Channel
 from kvoffload.runtime.cluster import WorkerCluster
 from kvoffload.translate import translate_snapshot
@@ -24,10 +25,10 @@ def job(job_id: int, blocks: list[int], chunks: list[int]) -> TransferJob:
     return TransferJob(
         job_id=job_id,
         req_id="r",
-        group_sizes=Int32Array([len(blocks)]),
-        block_indices=Int32Array([0]),
-        block_ids=Int64Array(blocks),
-        chunk_ids=Int64Array(chunks),
+        group_sizes=pack_int32([len(blocks)]),
+        block_indices=pack_int32([0]),
+        block_ids=pack_int64(blocks),
+        chunk_ids=pack_int64(chunks),
     )
 
 
@@ -37,7 +38,7 @@ def plan(
     stores: list[TransferJob] = (),
     flush: list[int] = (),  # type: ignore[assignment]
 ) -> StepPlan:
-    return StepPlan(step=step, load_jobs=tuple(loads), store_jobs=tuple(stores), flush=Int64Array(flush))
+    return StepPlan(step=step, load_jobs=tuple(loads), store_jobs=tuple(stores), flush=pack_int64(flush))
 
 
 def attachments(fill: list[int] = (), verify: list[int] = ()) -> list[bytes]:  # type: ignore[assignment]

@@ -11,13 +11,7 @@ from typing import Final
 
 import msgspec
 
-from kvoffload.packed import (
-    json_dec_hook,
-    json_enc_hook,
-    json_schema_hook,
-    msgpack_dec_hook,
-    msgpack_enc_hook,
-)
+from kvoffload.packed import json_schema_hook
 
 from .types import (
     EngineSnapshot,
@@ -32,8 +26,8 @@ from .types import (
 
 Buffer = bytes | bytearray | memoryview
 
-_JSON_ENCODER: Final = msgspec.json.Encoder(enc_hook=json_enc_hook)
-_MSGPACK_ENCODER: Final = msgspec.msgpack.Encoder(enc_hook=msgpack_enc_hook)
+_JSON_ENCODER: Final = msgspec.json.Encoder()
+_MSGPACK_ENCODER: Final = msgspec.msgpack.Encoder()
 
 
 def encode_json(obj: msgspec.Struct) -> bytes:
@@ -56,8 +50,8 @@ def json_schema(tp: type[msgspec.Struct]) -> dict[str, object]:
     return msgspec.json.schema(tp, schema_hook=json_schema_hook)
 
 
-_ENGINE_SNAPSHOT_JSON: Final = msgspec.json.Decoder(EngineSnapshot, dec_hook=json_dec_hook)
-_ENGINE_SNAPSHOT_MSGPACK: Final = msgspec.msgpack.Decoder(EngineSnapshot, dec_hook=msgpack_dec_hook)
+_ENGINE_SNAPSHOT_JSON: Final = msgspec.json.Decoder(EngineSnapshot)
+_ENGINE_SNAPSHOT_MSGPACK: Final = msgspec.msgpack.Decoder(EngineSnapshot)
 
 
 def encode_engine_snapshot_json(obj: EngineSnapshot) -> bytes:
@@ -80,8 +74,8 @@ def decode_engine_snapshot_msgpack(data: Buffer) -> EngineSnapshot:
     return _ENGINE_SNAPSHOT_MSGPACK.decode(data)
 
 
-_OFFLOADING_CONFIG_JSON: Final = msgspec.json.Decoder(OffloadingConfig, dec_hook=json_dec_hook)
-_OFFLOADING_CONFIG_MSGPACK: Final = msgspec.msgpack.Decoder(OffloadingConfig, dec_hook=msgpack_dec_hook)
+_OFFLOADING_CONFIG_JSON: Final = msgspec.json.Decoder(OffloadingConfig)
+_OFFLOADING_CONFIG_MSGPACK: Final = msgspec.msgpack.Decoder(OffloadingConfig)
 
 
 def encode_offloading_config_json(obj: OffloadingConfig) -> bytes:
@@ -104,8 +98,8 @@ def decode_offloading_config_msgpack(data: Buffer) -> OffloadingConfig:
     return _OFFLOADING_CONFIG_MSGPACK.decode(data)
 
 
-_HELLO_JSON: Final = msgspec.json.Decoder(Hello, dec_hook=json_dec_hook)
-_HELLO_MSGPACK: Final = msgspec.msgpack.Decoder(Hello, dec_hook=msgpack_dec_hook)
+_HELLO_JSON: Final = msgspec.json.Decoder(Hello)
+_HELLO_MSGPACK: Final = msgspec.msgpack.Decoder(Hello)
 
 
 def encode_hello_json(obj: Hello) -> bytes:
@@ -128,8 +122,8 @@ def decode_hello_msgpack(data: Buffer) -> Hello:
     return _HELLO_MSGPACK.decode(data)
 
 
-_STEP_PLAN_JSON: Final = msgspec.json.Decoder(StepPlan, dec_hook=json_dec_hook)
-_STEP_PLAN_MSGPACK: Final = msgspec.msgpack.Decoder(StepPlan, dec_hook=msgpack_dec_hook)
+_STEP_PLAN_JSON: Final = msgspec.json.Decoder(StepPlan)
+_STEP_PLAN_MSGPACK: Final = msgspec.msgpack.Decoder(StepPlan)
 
 
 def encode_step_plan_json(obj: StepPlan) -> bytes:
@@ -152,8 +146,8 @@ def decode_step_plan_msgpack(data: Buffer) -> StepPlan:
     return _STEP_PLAN_MSGPACK.decode(data)
 
 
-_WORKER_REPORT_JSON: Final = msgspec.json.Decoder(WorkerReport, dec_hook=json_dec_hook)
-_WORKER_REPORT_MSGPACK: Final = msgspec.msgpack.Decoder(WorkerReport, dec_hook=msgpack_dec_hook)
+_WORKER_REPORT_JSON: Final = msgspec.json.Decoder(WorkerReport)
+_WORKER_REPORT_MSGPACK: Final = msgspec.msgpack.Decoder(WorkerReport)
 
 
 def encode_worker_report_json(obj: WorkerReport) -> bytes:
@@ -176,8 +170,8 @@ def decode_worker_report_msgpack(data: Buffer) -> WorkerReport:
     return _WORKER_REPORT_MSGPACK.decode(data)
 
 
-_SHUTDOWN_JSON: Final = msgspec.json.Decoder(Shutdown, dec_hook=json_dec_hook)
-_SHUTDOWN_MSGPACK: Final = msgspec.msgpack.Decoder(Shutdown, dec_hook=msgpack_dec_hook)
+_SHUTDOWN_JSON: Final = msgspec.json.Decoder(Shutdown)
+_SHUTDOWN_MSGPACK: Final = msgspec.msgpack.Decoder(Shutdown)
 
 
 def encode_shutdown_json(obj: Shutdown) -> bytes:
@@ -200,8 +194,8 @@ def decode_shutdown_msgpack(data: Buffer) -> Shutdown:
     return _SHUTDOWN_MSGPACK.decode(data)
 
 
-_KV_EVENT_BATCH_JSON: Final = msgspec.json.Decoder(KVEventBatch, dec_hook=json_dec_hook)
-_KV_EVENT_BATCH_MSGPACK: Final = msgspec.msgpack.Decoder(KVEventBatch, dec_hook=msgpack_dec_hook)
+_KV_EVENT_BATCH_JSON: Final = msgspec.json.Decoder(KVEventBatch)
+_KV_EVENT_BATCH_MSGPACK: Final = msgspec.msgpack.Decoder(KVEventBatch)
 
 
 def encode_kv_event_batch_json(obj: KVEventBatch) -> bytes:

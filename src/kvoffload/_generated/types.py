@@ -10,7 +10,7 @@ from typing import Annotated, ClassVar, Final, TypeAlias
 
 import msgspec
 
-from kvoffload.packed import Int32Array, Int64Array
+from kvoffload.packed import Int32Bytes, Int64Bytes
 
 SCHEMA_NAME: Final = "kvoffload"
 SCHEMA_VERSION: Final = "1.2"
@@ -801,16 +801,16 @@ class TransferJob(
     req_id: str
     """Request the job belongs to."""
 
-    group_sizes: Int32Array
+    group_sizes: Int32Bytes
     """Engine blocks per offloaded group."""
 
-    block_indices: Int32Array
+    block_indices: Int32Bytes
     """Logical index of each group's first block in the request."""
 
-    block_ids: Int64Array
+    block_ids: Int64Bytes
     """Engine block ids, ordered by group."""
 
-    chunk_ids: Int64Array
+    chunk_ids: Int64Bytes
     """Host chunk ids."""
 
     sync: bool = False
@@ -839,7 +839,7 @@ class StepPlan(
     store_jobs: tuple[TransferJob, ...]
     """Stores to start after this step's forward pass."""
 
-    flush: Int64Array = msgspec.field(default_factory=Int64Array)
+    flush: Int64Bytes = Int64Bytes(b"")
     """Jobs to finish before this step's blocks are reused."""
 
 
@@ -928,7 +928,7 @@ class BlockStored(
     parent_block_hash: bytes | None = None
     """Hash of the block before the first."""
 
-    token_ids: Int32Array = msgspec.field(default_factory=Int32Array)
+    token_ids: Int32Bytes = Int32Bytes(b"")
     """Token ids of the blocks (empty for placeholders)."""
 
     block_size: Annotated[int, msgspec.Meta(ge=0)] = 0

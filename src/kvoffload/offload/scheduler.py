@@ -37,7 +37,7 @@ from .._generated import (
     WorkerReport,
 )
 from ..errors import ConfigError, InvalidStateError
-from ..packed import Int32Array, Int64Array
+from ..packed import pack_int32, pack_int64
 from .keys import hashes_per_chunk, offload_key_group, offload_key_hash
 from .manager import HostBlockManager, LookupResult
 
@@ -433,10 +433,10 @@ class OffloadScheduler:
             TransferJob(
                 job_id=job.job_id,
                 req_id=req.req_id,
-                group_sizes=Int32Array(group_sizes),
-                block_indices=Int32Array(block_indices),
-                block_ids=Int64Array(blocks),
-                chunk_ids=Int64Array([c if c is not None else -1 for c in chunk_ids]),
+                group_sizes=pack_int32(group_sizes),
+                block_indices=pack_int32(block_indices),
+                block_ids=pack_int64(blocks),
+                chunk_ids=pack_int64([c if c is not None else -1 for c in chunk_ids]),
             )
         )
         # Loaded chunks are already on the host: do not store them again (vLLM's CHUNK_LEVEL policy).
@@ -479,7 +479,7 @@ class OffloadScheduler:
             step=self._step,
             load_jobs=tuple(self._pending_loads),
             store_jobs=tuple(store_jobs),
-            flush=Int64Array(sorted(self._flush)),
+            flush=pack_int64(sorted(self._flush)),
         )
         self._step += 1
         self._pending_loads = []
@@ -552,10 +552,10 @@ class OffloadScheduler:
         return TransferJob(
             job_id=job.job_id,
             req_id=req.req_id,
-            group_sizes=Int32Array(group_sizes),
-            block_indices=Int32Array(block_indices),
-            block_ids=Int64Array(blocks),
-            chunk_ids=Int64Array([chunk_of[k] for k in keys]),
+            group_sizes=pack_int32(group_sizes),
+            block_indices=pack_int32(block_indices),
+            block_ids=pack_int64(blocks),
+            chunk_ids=pack_int64([chunk_of[k] for k in keys]),
         )
 
     # --------------------------------------------------------------------------------------- completions

@@ -12,6 +12,7 @@ import time
 
 from .._generated import JobResult, StepPlan, TransferJob, WorkerReport
 from ..errors import KVOffloadError
+from ..packed import Int32Array, Int64Array
 from .copy_engine import CopyEngine
 
 __all__ = ["OffloadWorker"]
@@ -39,8 +40,8 @@ class OffloadWorker:
     def start_step(self, plan: StepPlan) -> None:
         """Before the forward pass: submit deferred stores, honour flushes, then submit this step's loads."""
         self._submit_deferred()
-        if len(plan.flush):
-            self.engine.wait(plan.flush.tolist())
+        if plan.flush:
+            self.engine.wait(Int64Array.from_buffer(plan.flush).tolist())
         for job in plan.load_jobs:
             self._submit(job, is_store=False)
 
@@ -91,10 +92,10 @@ class OffloadWorker:
         try:
             submit(
                 job.job_id,
-                group_sizes=job.group_sizes.tolist(),
-                block_indices=job.block_indices.tolist(),
-                block_ids=job.block_ids.to_tensor(),
-                chunk_ids=job.chunk_ids.to_tensor(),
+                group_sizes=Int32Array.from_buffer(job.group_sizes).tolist(),
+                block_indices=Int32Array.from_buffer(job.block_indices).tolist(),
+                block_ids=Int64Array.from_buffer(job.block_ids).to_tensor(),
+                chunk_ids=Int64Array.from_buffer(job.chunk_ids).to_tensor(),
             )
         except KVOffloadError:
             self._failed.append(
