@@ -74,6 +74,19 @@ class Struct:
         """Fields that are not tombstones."""
         return tuple(f for f in self.fields if f.removed is None)
 
+    def declared_fields(self) -> list[tuple[str, Field]]:
+        """(Python name, field) of the fields this struct's class declares, in wire order.
+
+        Inherited fields come from the base class; a map-layout tombstone only reserves its name, while an
+        array-layout tombstone keeps its position as ``removed_<name>``.
+        """
+        own_names = {f.name for f in self.own_fields}
+        return [
+            (f"removed_{f.name}" if f.removed is not None else f.name, f)
+            for f in self.fields
+            if f.name in own_names and not (f.removed is not None and self.layout == "map")
+        ]
+
 
 @dataclass(frozen=True)
 class Enum:

@@ -122,14 +122,8 @@ def _struct(
     enums: Mapping[str, type[enum.StrEnum]],
     module_name: str,
 ) -> type[msgspec.Struct]:
-    own_names = {f.name for f in s.own_fields}
     specs: list[tuple[str, str] | tuple[str, str, object]] = []
-    for f in s.fields:
-        if f.name not in own_names:
-            continue
-        if f.removed is not None and s.layout == "map":
-            continue  # a map-layout tombstone only reserves its name
-        name = f"removed_{f.name}" if f.removed is not None else f.name
+    for name, f in s.declared_fields():
         if f.has_default:
             specs.append((name, annotation(f), _default(f, enums)))
         else:

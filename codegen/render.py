@@ -124,14 +124,8 @@ def class_kwargs(s: Struct, schema: Schema) -> list[str]:
 
 
 def _struct_view(s: Struct, schema: Schema) -> dict[str, object]:
-    own_names = {f.name for f in s.own_fields}
     fields: list[RenderedField] = []
-    for f in s.fields:
-        if f.name not in own_names:
-            continue
-        if f.removed is not None and s.layout == "map":
-            continue  # a map-layout tombstone only reserves its name
-        name = f"removed_{f.name}" if f.removed is not None else f.name
+    for name, f in s.declared_fields():
         doc = f.doc or ""
         if f.removed is not None:
             doc = f"Tombstone: removed in {f.removed}; keeps its position on the wire. {doc}".strip()

@@ -28,6 +28,7 @@ from kvoffload.offload.copy_engine import (
     build_transfer_layout,
 )
 from kvoffload.offload.host_pool import HostPool, plan_host_pool
+from tests.helpers import offloading_config
 
 # -- engine memory descriptions and the plain reference model ------------------------------------------
 
@@ -241,11 +242,6 @@ def test_transfer_layout_from_config() -> None:
         KVCacheConfig,
         KVCacheGroupSpec,
         KVCacheTensor,
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
     )
 
     page = 2 * 16 * 2 * 64 * 2  # K and V, 16 tokens, 2 heads, head size 64, float16
@@ -256,27 +252,7 @@ def test_transfer_layout_from_config() -> None:
         kv_cache_tensors=(KVCacheTensor(size=20 * page, layers=names, layer_stride=10 * page, block_stride=page),),
         kv_cache_groups=(KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec),),
     )
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(group_id=0, tokens_per_block=16, layer_names=names),),
-        worker_kv_bytes_per_block=2 * page,
-        enable_kv_cache_events=False,
-        extra_config={},
-        engine_id="e",
-        model=OffloadingModelConfig(name="m", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
-    )
+    config = offloading_config([(0, 16, names, None)], worker_kv_bytes_per_block=2 * page)
     layout = copy_engine.transfer_layout_from_config(kv_cache_config, config)
     assert [(x.name, x.page_bytes, x.engine_offset, x.host_offset) for x in layout.groups[0].layers] == [
         ("layers.0", page, 0, 0),

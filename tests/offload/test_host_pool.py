@@ -21,6 +21,7 @@ from kvoffload.offload.host_pool import (
     plan_host_pool_from_config,
     shared_pool_path,
 )
+from tests.helpers import offloading_config
 
 
 def _plan(**overrides: int | bool) -> HostPoolPlan:
@@ -106,33 +107,12 @@ def test_plan_rejects_bad_values(overrides: dict[str, int], match: str) -> None:
 
 def test_plan_from_config() -> None:
     from kvoffload._generated import (
-        OffloadingCacheConfig,
         OffloadingConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
     )
 
     def config(extra: dict[str, object]) -> OffloadingConfig:
-        return OffloadingConfig(
-            groups=(),
-            worker_kv_bytes_per_block=1000,
-            enable_kv_cache_events=False,
-            extra_config=extra,
-            engine_id="e",
-            model=OffloadingModelConfig(name="m", dtype="bfloat16"),
-            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=3),
-            parallel=OffloadingParallelConfig(
-                rank=2,
-                world_size=4,
-                tp_size=4,
-                pp_size=1,
-                pcp_size=1,
-                dcp_size=1,
-                data_parallel_index=0,
-                data_parallel_size=1,
-                data_parallel_rank_local=None,
-                is_parallelism_agnostic=False,
-            ),
+        return offloading_config(
+            (), worker_kv_bytes_per_block=1000, extra_config=extra, blocks_per_chunk=3, rank=2, world_size=4
         )
 
     assert plan_host_pool_from_config(config({"cpu_bytes_to_use": 10**6})) == _plan()

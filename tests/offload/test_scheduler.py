@@ -12,11 +12,7 @@ from kvoffload import (
     ConfigError,
     InvalidStateError,
     JobResult,
-    OffloadingCacheConfig,
     OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
     StepPlan,
     TransferJob,
     WorkerReport,
@@ -25,6 +21,7 @@ from kvoffload.offload.keys import make_offload_key
 from kvoffload.offload.manager import HostBlockManager, LookupResult
 from kvoffload.offload.scheduler import OffloadScheduler
 from kvoffload.packed import unpack_int32, unpack_int64
+from tests.helpers import offloading_config
 
 TPH = 16
 
@@ -32,32 +29,12 @@ TPH = 16
 def make_config(
     groups: list[tuple[int, int, int | None]] | None = None, *, bpc: int = 1, world_size: int = 2
 ) -> OffloadingConfig:
-    groups = groups or [(0, 16, None)]
-    return OffloadingConfig(
-        groups=tuple(
-            OffloadingGroupConfig(
-                group_id=gid, tokens_per_block=tpb, layer_names=(f"l{gid}",), sliding_window_size_in_chunks=w
-            )
-            for gid, tpb, w in groups
-        ),
-        worker_kv_bytes_per_block=1024,
-        enable_kv_cache_events=True,
-        extra_config={},
-        engine_id="e",
-        model=OffloadingModelConfig(name="m", dtype="float16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=TPH, blocks_per_chunk=bpc),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=world_size,
-            tp_size=world_size,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
+    return offloading_config(
+        [(gid, tpb, (f"l{gid}",), w) for gid, tpb, w in groups or [(0, 16, None)]],
+        tokens_per_hash=TPH,
+        blocks_per_chunk=bpc,
+        world_size=world_size,
+        events=True,
     )
 
 

@@ -11,7 +11,8 @@ from kvoffload import StepPlan, TransferJob
 from kvoffload.offload.copy_engine import CopyEngine, Placement, build_transfer_layout
 from kvoffload.offload.host_pool import HostPool, plan_host_pool
 from kvoffload.offload.worker import OffloadWorker
-from kvoffload.packed import pack_int32, pack_int64
+from kvoffload.packed import pack_int64
+from tests.helpers import transfer_job
 
 PAGE = 256
 BLOCKS = 8
@@ -40,17 +41,6 @@ def worker() -> Iterator[tuple[OffloadWorker, torch.Tensor]]:
         w.close()
 
 
-def job(job_id: int, blocks: list[int], chunks: list[int]) -> TransferJob:
-    return TransferJob(
-        job_id=job_id,
-        req_id="r",
-        group_sizes=pack_int32([len(blocks)]),
-        block_indices=pack_int32([0]),
-        block_ids=pack_int64(blocks),
-        chunk_ids=pack_int64(chunks),
-    )
-
-
 def step(
     n: int,
     *,
@@ -66,7 +56,7 @@ def test_store_is_deferred_to_the_next_step_then_loaded_back(
 ) -> None:
     w, memory = worker
     original = memory.clone()
-    plan0 = step(0, stores=(job(1, [2, 3], [0, 1]),))
+    plan0 = step(0, stores=(transfer_job(1, [2, 3], [0, 1]),))
     w.start_step(plan0)
     w.end_step(plan0)
     assert w.in_flight == frozenset()  # not submitted during the step it was planned in
@@ -75,7 +65,7 @@ def test_store_is_deferred_to_the_next_step_then_loaded_back(
     report = w.report(1)
     assert [(r.job_id, r.success, r.is_store, r.num_bytes) for r in report.results] == [(1, True, True, 4 * PAGE)]
     memory.zero_()
-    plan2 = step(2, loads=(job(2, [5, 6], [0, 1]),))
+    plan2 = step(2, loads=(transfer_job(2, [5, 6], [0, 1]),))
     w.start_step(plan2)
     w.wait_for_loads(plan2, timeout=10)
     report = w.report(2)
@@ -91,11 +81,11 @@ def test_bad_job_is_reported_failed_and_the_worker_keeps_going(
     worker: tuple[OffloadWorker, torch.Tensor],
 ) -> None:
     w, _ = worker
-    plan = step(0, loads=(job(7, [1], [999]),))  # chunk id outside the pool
+    plan = step(0, loads=(transfer_job(7, [1], [999]),))  # chunk id outside the pool
     w.start_step(plan)
     report = w.report(0)
     assert [(r.job_id, r.success, r.num_bytes) for r in report.results] == [(7, False, 0)]
-    plan = step(1, loads=(job(8, [1], [0]),))
+    plan = step(1, loads=(transfer_job(8, [1], [0]),))
     w.start_step(plan)
     w.wait_for_loads(plan, timeout=10)
     assert [(r.job_id, r.success) for r in w.report(1).results] == [(8, True)]
@@ -103,7 +93,7 @@ def test_bad_job_is_reported_failed_and_the_worker_keeps_going(
 
 def test_drain_submits_deferred_stores_and_waits(worker: tuple[OffloadWorker, torch.Tensor]) -> None:
     w, _ = worker
-    plan = step(0, stores=(job(3, [0], [2]), job(4, [1], [3])))
+    plan = step(0, stores=(transfer_job(3, [0], [2]), transfer_job(4, [1], [3])))
     w.start_step(plan)
     w.end_step(plan)
     report = w.drain(0, timeout=10)

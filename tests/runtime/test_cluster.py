@@ -11,25 +11,15 @@ from kvoffload import Int64Array, StepPlan, TransferJob, WireError
 from kvoffload.demo import DemoOptions, default_snapshot, run_demo
 from kvoffload.offload.manager import HostBlockManager, LookupResult
 from kvoffload.offload.scheduler import OffloadScheduler
-from kvoffload.packed import pack_int32, pack_int64
+from kvoffload.packed import pack_int64
 from kvoffload.runtime.channel import Channel
 from kvoffload.runtime.cluster import WorkerCluster
 from kvoffload.translate import translate_snapshot
+from tests.helpers import transfer_job
 
 pytestmark = pytest.mark.slow
 
 MiB = 1 << 20
-
-
-def job(job_id: int, blocks: list[int], chunks: list[int]) -> TransferJob:
-    return TransferJob(
-        job_id=job_id,
-        req_id="r",
-        group_sizes=pack_int32([len(blocks)]),
-        block_indices=pack_int32([0]),
-        block_ids=pack_int64(blocks),
-        chunk_ids=pack_int64(chunks),
-    )
 
 
 def plan(
@@ -57,20 +47,20 @@ def test_store_load_round_trip_is_verified_and_corruption_is_caught() -> None:
     with WorkerCluster(small_snapshot(), simulate=True, step_timeout_s=60) as cluster:
         r = cluster.step(plan(0), attachments(fill=[0, 3, 42]))  # forward pass writes block 3
         assert [rep.results for rep in r.reports] == [(), ()]
-        cluster.step(plan(1, stores=[job(0, [3], [5])]), attachments())  # store queued (deferred one step)
+        cluster.step(plan(1, stores=[transfer_job(0, [3], [5])]), attachments())  # store queued (deferred one step)
         # The store starts at the beginning of step 2; the flush makes the load wait for it.
-        r = cluster.step(plan(2, loads=[job(1, [7], [5])], flush=[0]), attachments(verify=[1, 0, 7, 42]))
+        r = cluster.step(plan(2, loads=[transfer_job(1, [7], [5])], flush=[0]), attachments(verify=[1, 0, 7, 42]))
         assert verified(r) == [[1, 0], [1, 0]]  # one block checked per worker, no mismatch
         results = {(res.job_id, res.success) for rep in r.reports for res in rep.results}
         assert results == {(0, True), (1, True)}
         # Expecting other contents than what was stored must be reported as a mismatch.
-        r = cluster.step(plan(3, loads=[job(2, [8], [5])]), attachments(verify=[2, 0, 8, 43]))
+        r = cluster.step(plan(3, loads=[transfer_job(2, [8], [5])]), attachments(verify=[2, 0, 8, 43]))
         assert verified(r) == [[1, 1, 8], [1, 1, 8]]
         # A load from a chunk nobody stored yields different bytes, too.
-        r = cluster.step(plan(4, loads=[job(3, [9], [6])]), attachments(verify=[3, 0, 9, 42]))
+        r = cluster.step(plan(4, loads=[transfer_job(3, [9], [6])]), attachments(verify=[3, 0, 9, 42]))
         assert verified(r) == [[1, 1, 9], [1, 1, 9]]
         # A job with an out-of-range chunk id fails instead of crashing the worker.
-        r = cluster.step(plan(5, loads=[job(4, [9], [10_000])]), attachments())
+        r = cluster.step(plan(5, loads=[transfer_job(4, [9], [10_000])]), attachments())
         assert {(res.job_id, res.success) for rep in r.reports for res in rep.results} == {(4, False)}
         assert cluster.live_ranks == [0, 1]
         final = cluster.close()

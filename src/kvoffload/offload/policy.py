@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import ClassVar
 
@@ -384,36 +384,28 @@ class ARCPolicy(CachePolicy):
         t2_items = iter(self.t2.items())
         victims: list[tuple[bytes, int]] = []
         from_t1: list[bool] = []
+
+        def next_victim(items: Iterator[tuple[bytes, int]]) -> tuple[bytes, int] | None:
+            # Shared forward iterators: an entry skipped once is never revisited (vLLM's single pass).
+            for item in items:
+                if item[0] not in blocked and item[0] not in protected:
+                    return item
+            return None
+
         for _ in range(n):
-            found = False
-            if virtual_t1 >= target:
-                for item in t1_items:
-                    key = item[0]
-                    if key not in blocked and key not in protected:
-                        victims.append(item)
-                        from_t1.append(True)
-                        virtual_t1 -= 1
-                        found = True
-                        break
-            if not found:
-                for item in t2_items:
-                    key = item[0]
-                    if key not in blocked and key not in protected:
-                        victims.append(item)
-                        from_t1.append(False)
-                        found = True
-                        break
-            if not found:
-                for item in t1_items:
-                    key = item[0]
-                    if key not in blocked and key not in protected:
-                        victims.append(item)
-                        from_t1.append(True)
-                        virtual_t1 -= 1
-                        found = True
-                        break
-                if not found:
+            victim = next_victim(t1_items) if virtual_t1 >= target else None
+            in_t1 = victim is not None
+            if victim is None:
+                victim = next_victim(t2_items)
+            if victim is None:
+                victim = next_victim(t1_items)
+                in_t1 = victim is not None
+                if victim is None:
                     return None
+            victims.append(victim)
+            from_t1.append(in_t1)
+            if in_t1:
+                virtual_t1 -= 1
         t1 = self.t1
         t2 = self.t2
         b1 = self.b1

@@ -1,0 +1,68 @@
+"""Builders shared by the tests: a plain OffloadingConfig and a TransferJob, with only what a test varies."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kvoffload import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+    TransferJob,
+)
+from kvoffload.packed import pack_int32, pack_int64
+
+
+def offloading_config(
+    groups: Sequence[tuple[int, int, Sequence[str], int | None]] = ((0, 16, ("l0",), None),),
+    *,
+    worker_kv_bytes_per_block: int = 1024,
+    extra_config: Mapping[str, object] | None = None,
+    tokens_per_hash: int = 16,
+    blocks_per_chunk: int = 1,
+    rank: int = 0,
+    world_size: int = 1,
+    events: bool = False,
+    dtype: str = "float16",
+) -> OffloadingConfig:
+    """An OffloadingConfig with ``(group_id, tokens_per_block, layer_names, window_chunks)`` groups."""
+    return OffloadingConfig(
+        groups=tuple(
+            OffloadingGroupConfig(
+                group_id=gid, tokens_per_block=tpb, layer_names=tuple(names), sliding_window_size_in_chunks=window
+            )
+            for gid, tpb, names, window in groups
+        ),
+        worker_kv_bytes_per_block=worker_kv_bytes_per_block,
+        enable_kv_cache_events=events,
+        extra_config=dict(extra_config or {}),
+        engine_id="e",
+        model=OffloadingModelConfig(name="m", dtype=dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash=tokens_per_hash, blocks_per_chunk=blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=rank,
+            world_size=world_size,
+            tp_size=world_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+
+
+def transfer_job(job_id: int, blocks: Sequence[int], chunks: Sequence[int], *, first_block: int = 0) -> TransferJob:
+    """A one-group job moving ``blocks`` (logical indices from ``first_block``) to/from ``chunks``."""
+    return TransferJob(
+        job_id=job_id,
+        req_id="r",
+        group_sizes=pack_int32([len(blocks)]),
+        block_indices=pack_int32([first_block]),
+        block_ids=pack_int64(blocks),
+        chunk_ids=pack_int64(chunks),
+    )
