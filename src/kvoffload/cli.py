@@ -27,13 +27,14 @@ import msgspec
 
 from ._generated import SCHEMA_FINGERPRINT, SCHEMA_VERSION, codecs
 from ._generated.types import EngineSnapshot, OffloadingConfig
-from .errors import ConfigError
+from .errors import ConfigError, KVOffloadError
 from .translate import describe_error, explain_snapshot, load_snapshot
 
 __all__ = ["main"]
 
 EXIT_OK = 0
 EXIT_INVALID = 2
+EXIT_FAILED = 1
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -48,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         _error(describe_error(err))
         return EXIT_INVALID
+    except KVOffloadError as err:
+        _error(f"{type(err).__name__}: {err}")
+        return EXIT_FAILED
     except BrokenPipeError:
         # The reader went away (e.g. `| head`): stop quietly, as Unix tools do.
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -102,20 +106,12 @@ def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "verified byte for byte. Exits 1 on any mismatch, failed job or dead worker."
         ),
     )
-    p.add_argument(
-        "--workers", type=int, default=None, help="worker processes (default 2; the snapshot's world size)"
-    )
+    p.add_argument("--workers", type=int, default=None, help="worker processes (default 2; the snapshot's world size)")
     p.add_argument("--requests", type=int, default=48, help="requests to run (default 48)")
     p.add_argument("--conversations", type=int, default=8, help="concurrent conversations (default 8)")
-    p.add_argument(
-        "--cpu-bytes", type=parse_size, default=None, help="host budget across all workers (default 128MiB)"
-    )
-    p.add_argument(
-        "--policy", choices=("lru", "arc"), default=None, help="host eviction policy (default lru)"
-    )
-    p.add_argument(
-        "--snapshot", default=None, help="engine snapshot JSON/TOML instead of the embedded Llama-style one"
-    )
+    p.add_argument("--cpu-bytes", type=parse_size, default=None, help="host budget across all workers (default 128MiB)")
+    p.add_argument("--policy", choices=("lru", "arc"), default=None, help="host eviction policy (default lru)")
+    p.add_argument("--snapshot", default=None, help="engine snapshot JSON/TOML instead of the embedded Llama-style one")
     p.add_argument("--shared-pool", action="store_true", help="map one shared-memory host pool for all ranks")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
@@ -183,10 +179,7 @@ def _add_translate(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
         "--format",
         choices=("json", "toml"),
         default="json",
-        help=(
-            "output format: json (default, pretty-printed) or toml (None values are omitted: TOML has no "
-            "null)"
-        ),
+        help=("output format: json (default, pretty-printed) or toml (None values are omitted: TOML has no null)"),
     )
     p.set_defaults(handler=_run_translate)
 

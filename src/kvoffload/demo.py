@@ -33,8 +33,8 @@ from ._generated import (
     ParallelConfig,
     StepPlan,
 )
-from .errors import ConfigError
-from .offload.host_pool import plan_host_pool_from_config
+from .errors import ConfigError, HostMemoryError
+from .offload.host_pool import available_host_memory_bytes, plan_host_pool_from_config
 from .offload.keys import hash_token_blocks
 from .offload.manager import HostBlockManager
 from .offload.scheduler import OffloadScheduler
@@ -60,9 +60,7 @@ def default_snapshot(
     if workers < 1 or total_heads % workers:
         raise ConfigError(f"workers={workers} must divide the demo model's {total_heads} KV heads")
     layers = tuple(f"model.layers.{i}.self_attn.attn" for i in range(4))
-    spec = FullAttentionSpec(
-        block_size=16, num_kv_heads=total_heads // workers, head_size=128, dtype=DType.BFLOAT16
-    )
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=total_heads // workers, head_size=128, dtype=DType.BFLOAT16)
     page = spec.num_kv_heads * spec.block_size * (spec.head_size * 2) * 2
     return EngineSnapshot(
         engine_config=EngineConfig(
@@ -361,8 +359,13 @@ def run_demo(
     progress: bool = True,
     max_steps: int = 100_000,
 ) -> DemoResult:
-    """Run the demo workload on ``snapshot`` with one worker process per rank; returns what it measured."""
+    """Run the demo workload on ``snapshot`` with one worker process per rank; returns what it measured.
+
+    Raises HostMemoryError before starting any process when the workers' KV memory and host pools would
+    not fit in this machine's available memory (real-size snapshots need a real-size machine).
+    """
     demo = _Demo(snapshot, options)
+    _check_memory(snapshot, demo.config)
     started = time.perf_counter()
     cluster = WorkerCluster(
         snapshot,
@@ -394,6 +397,21 @@ def run_demo(
     if demo.result.steps >= max_steps:
         raise RuntimeError(f"the demo did not finish within {max_steps} steps")
     return result
+
+
+def _check_memory(snapshot: EngineSnapshot, config: OffloadingConfig) -> None:
+    plan = plan_host_pool_from_config(config)
+    workers = config.parallel.world_size
+    kv_bytes = max((t.size for t in snapshot.kv_cache_config.kv_cache_tensors), default=0)
+    needed = workers * (kv_bytes + plan.num_chunks * plan.slot_bytes)
+    available = available_host_memory_bytes()
+    if needed > available * 0.8:
+        raise HostMemoryError(
+            f"the demo needs {needed / 2**30:.1f} GiB ({workers} workers x ({kv_bytes / 2**30:.2f} GiB of KV "
+            f"memory + {plan.num_chunks * plan.slot_bytes / 2**30:.2f} GiB of host pool)) but "
+            f"{available / 2**30:.1f} GiB are available: use a snapshot with fewer num_blocks or a smaller "
+            "--cpu-bytes"
+        )
 
 
 class _progress:
@@ -460,9 +478,7 @@ def render_result(result: DemoResult) -> str:
     return out.getvalue()
 
 
-def snapshot_with_overrides(
-    snapshot: EngineSnapshot, *, cpu_bytes: int | None, policy: str | None
-) -> EngineSnapshot:
+def snapshot_with_overrides(snapshot: EngineSnapshot, *, cpu_bytes: int | None, policy: str | None) -> EngineSnapshot:
     """Set ``cpu_bytes_to_use`` / ``eviction_policy`` in the snapshot's connector extra config."""
     engine = snapshot.engine_config
     transfer = engine.kv_transfer_config or KVTransferConfig(engine_id="kvoffload-demo")
@@ -472,6 +488,4 @@ def snapshot_with_overrides(
     if policy is not None:
         extra["eviction_policy"] = policy
     transfer = msgspec.structs.replace(transfer, kv_connector_extra_config=extra)
-    return msgspec.structs.replace(
-        snapshot, engine_config=msgspec.structs.replace(engine, kv_transfer_config=transfer)
-    )
+    return msgspec.structs.replace(snapshot, engine_config=msgspec.structs.replace(engine, kv_transfer_config=transfer))

@@ -144,9 +144,7 @@ def dtype_size(dtype: DType) -> int:
 _PER_TOKEN_HEAD: Final = frozenset(
     {KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD, KVQuantMode.INT4_PER_TOKEN_HEAD}
 )
-_OCTAVE: Final = frozenset(
-    {KVQuantMode.OCTAVE_K3V4, KVQuantMode.OCTAVE_K3V3, KVQuantMode.OCTAVE_K3V3_COMPACT}
-)
+_OCTAVE: Final = frozenset({KVQuantMode.OCTAVE_K3V4, KVQuantMode.OCTAVE_K3V3, KVQuantMode.OCTAVE_K3V3_COMPACT})
 _TURBOQUANT: Final = frozenset(
     {
         KVQuantMode.TURBOQUANT_K8V4,
@@ -297,9 +295,7 @@ def state_content_size_bytes(spec: AttentionSpec | MambaSpec) -> int:
 
 def _mamba_state_bytes(spec: MambaSpec) -> int:
     # zip() truncates to the shorter of shapes/dtypes, exactly as vLLM's formula does.
-    return sum(
-        math.prod(shape) * dtype_size(dtype) for shape, dtype in zip(spec.shapes, spec.dtypes, strict=False)
-    )
+    return sum(math.prod(shape) * dtype_size(dtype) for shape, dtype in zip(spec.shapes, spec.dtypes, strict=False))
 
 
 def unpadded_page_size_bytes(spec: KVCacheSpec) -> int:
@@ -343,8 +339,7 @@ def page_size_bytes(spec: KVCacheSpec) -> int:
         return unpadded
     if padded < unpadded:
         raise ConfigError(
-            f"{spec_kind(spec)} spec has page_size_padded={padded} smaller than its unpadded page "
-            f"({unpadded} bytes)"
+            f"{spec_kind(spec)} spec has page_size_padded={padded} smaller than its unpadded page ({unpadded} bytes)"
         )
     return padded
 
@@ -401,8 +396,7 @@ def offloading_group_ids(kv_cache_config: KVCacheConfig, note: DecisionSink = _i
     note(
         "groups",
         selected,
-        f"hisparse_host_num_blocks={kv_cache_config.hisparse_host_num_blocks}: "
-        "only the hisparse_indexer groups",
+        f"hisparse_host_num_blocks={kv_cache_config.hisparse_host_num_blocks}: only the hisparse_indexer groups",
     )
     return selected
 
@@ -484,12 +478,7 @@ def resolve_kv_cache_block_sizes(
             dcp = 1
             why_dcp = "dcp=1 (the single group is not dcp_sharded)"
         bs = cache.block_size * dcp
-        if (
-            pmu is not None
-            and pmu != bs
-            and len(groups) == 1
-            and (cache.enable_prefix_caching or connector_enabled)
-        ):
+        if pmu is not None and pmu != bs and len(groups) == 1 and (cache.enable_prefix_caching or connector_enabled):
             raise OffloadingConfigError(
                 f"Invalid prefix_match_unit={pmu}; with a single KV cache group, prefix-cache hits land "
                 f"on the block size ({bs}). Unset it or set it to {bs}."
@@ -508,8 +497,7 @@ def resolve_kv_cache_block_sizes(
         note(
             "tokens_per_hash",
             scheduler_bs,
-            "prefix caching off and no connector: hash at the scheduler block, "
-            f"lcm{tuple(sizes)}={scheduler_bs}",
+            f"prefix caching off and no connector: hash at the scheduler block, lcm{tuple(sizes)}={scheduler_bs}",
         )
         return scheduler_bs, scheduler_bs
     if any(
@@ -525,9 +513,7 @@ def resolve_kv_cache_block_sizes(
         )
         return scheduler_bs, scheduler_bs
 
-    hashing = [
-        size for g, size in zip(groups, sizes, strict=True) if prefix_cacheable(g.kv_cache_spec)
-    ] or sizes
+    hashing = [size for g, size in zip(groups, sizes, strict=True) if prefix_cacheable(g.kv_cache_spec)] or sizes
     hash_bs = pmu if pmu is not None else math.gcd(*hashing)
     if any(size % hash_bs != 0 for size in hashing):
         raise OffloadingConfigError(
@@ -538,9 +524,7 @@ def resolve_kv_cache_block_sizes(
         spec.tokens_per_state
         for g in groups
         for spec in iter_layer_specs(g.kv_cache_spec)
-        if prefix_cacheable(spec)
-        and not isinstance(spec, UniformTypeKVCacheSpecs)
-        and spec.tokens_per_state > 1
+        if prefix_cacheable(spec) and not isinstance(spec, UniformTypeKVCacheSpecs) and spec.tokens_per_state > 1
     }
     partial = partial_hash_hits_enabled(groups, hash_bs, dcp)
     hit_alignment = hash_bs if partial else scheduler_bs

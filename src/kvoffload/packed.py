@@ -65,9 +65,7 @@ class PackedIntArray:
             packed = array.array(self._code, values)
         except OverflowError:
             bad = next((v for v in values if not self._min <= v <= self._max), None)
-            raise OverflowError(
-                f"{type(self).__name__}: value {bad} is outside [{self._min}, {self._max}]"
-            ) from None
+            raise OverflowError(f"{type(self).__name__}: value {bad} is outside [{self._min}, {self._max}]") from None
         except TypeError as exc:
             raise TypeError(f"{type(self).__name__} holds integers only: {exc}") from None
         self._view = memoryview(packed)
@@ -77,9 +75,7 @@ class PackedIntArray:
         """View little-endian wire bytes as an array (zero-copy on little-endian hosts)."""
         raw = memoryview(buffer).cast("B")
         if raw.nbytes % cls._itemsize:
-            raise WireError(
-                f"{cls.__name__}: buffer of {raw.nbytes} bytes is not a multiple of {cls._itemsize}"
-            )
+            raise WireError(f"{cls.__name__}: buffer of {raw.nbytes} bytes is not a multiple of {cls._itemsize}")
         self = cls.__new__(cls)
         if _LITTLE:
             self._view = raw.cast(cls._code)

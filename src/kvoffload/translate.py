@@ -174,9 +174,7 @@ def _ignore(topic: str, value: DecisionValue, reason: str, /) -> None:
     """No recording (plain ``build_offloading_config``)."""
 
 
-def _gates(
-    note: DecisionSink, prefix: str, gates: list[tuple[str, bool, str]], *, topic: str, what: str
-) -> bool:
+def _gates(note: DecisionSink, prefix: str, gates: list[tuple[str, bool, str]], *, topic: str, what: str) -> bool:
     """Record each named gate as ``prefix.name``, then ``topic`` with their conjunction and the names of the
     gates that failed; every gate is evaluated (none has side effects), so all failures are reported."""
     for name, passed, reason in gates:
@@ -271,9 +269,7 @@ def _translate(engine_config: EngineConfig, kv: KVCacheConfig, note: DecisionSin
 
     # Rule 2: group selection.
     selected_ids = offloading_group_ids(kv, note)
-    selected: tuple[tuple[int, KVCacheGroupSpec], ...] = tuple(
-        (i, kv.kv_cache_groups[i]) for i in selected_ids
-    )
+    selected: tuple[tuple[int, KVCacheGroupSpec], ...] = tuple((i, kv.kv_cache_groups[i]) for i in selected_ids)
     if not selected:
         raise OffloadingConfigError("KV offloading found no eligible cache groups.")
 
@@ -379,8 +375,7 @@ def _translate(engine_config: EngineConfig, kv: KVCacheConfig, note: DecisionSin
     note(
         "canonical_layout",
         canonical_layout,
-        "bool(kv_connector_extra_config.get('canonical_layout', False)) of "
-        f"{extra.get('canonical_layout')!r}",
+        f"bool(kv_connector_extra_config.get('canonical_layout', False)) of {extra.get('canonical_layout')!r}",
     )
 
     # Rule 12: the direct parallelism-agnostic gate (one head-sharded, non-MLA full-attention group).
@@ -401,9 +396,7 @@ def _translate(engine_config: EngineConfig, kv: KVCacheConfig, note: DecisionSin
             "(must be equal: heads genuinely sharded, not replicated)"
         )
         per_token_ok = not is_per_token_head(single_spec.kv_quant_mode)
-        per_token_reason = (
-            f"kv_quant_mode={single_spec.kv_quant_mode.value!r} (per-token-head scales excluded)"
-        )
+        per_token_reason = f"kv_quant_mode={single_spec.kv_quant_mode.value!r} (per-token-head scales excluded)"
     is_parallelism_agnostic = _gates(
         note,
         "is_parallelism_agnostic",
@@ -538,9 +531,7 @@ def _blocks_per_chunk(extra: Mapping[str, object], tokens_per_block: list[int], 
         note("blocks_per_chunk", bpc, f"kv_connector_extra_config['blocks_per_chunk']={bpc_option!r}")
         return bpc
     if tokens_option is None:
-        note(
-            "blocks_per_chunk", 1, "neither 'blocks_per_chunk' nor 'block_size' in kv_connector_extra_config"
-        )
+        note("blocks_per_chunk", 1, "neither 'blocks_per_chunk' nor 'block_size' in kv_connector_extra_config")
         return 1
     tokens_per_chunk = _int_option("block_size", tokens_option)
     unique = set(tokens_per_block)
@@ -568,8 +559,7 @@ def _blocks_per_chunk(extra: Mapping[str, object], tokens_per_block: list[int], 
     note(
         "blocks_per_chunk",
         bpc,
-        f"kv_connector_extra_config['block_size']={tokens_option!r} tokens // {tpb} tokens per "
-        "(DCP-scaled) block",
+        f"kv_connector_extra_config['block_size']={tokens_option!r} tokens // {tpb} tokens per (DCP-scaled) block",
     )
     return bpc
 
@@ -670,9 +660,7 @@ def load_snapshot(path: str | os.PathLike[str]) -> EngineSnapshot:
         raw = file.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{file}: cannot read: {exc.strerror or exc}") from exc
-    is_toml = file.suffix.lower() == ".toml" or (
-        file.suffix.lower() != ".json" and not raw.lstrip().startswith(b"{")
-    )
+    is_toml = file.suffix.lower() == ".toml" or (file.suffix.lower() != ".json" and not raw.lstrip().startswith(b"{"))
     document: object = None
     if is_toml:
         try:

@@ -196,9 +196,7 @@ def encode(msg: Message, attachments: Sequence[Buffer] = ()) -> list[bytes | mem
         try:
             frames.append(memoryview(item))
         except TypeError:
-            raise TypeError(
-                f"attachment {index} is a {type(item).__name__}, not a bytes-like object"
-            ) from None
+            raise TypeError(f"attachment {index} is a {type(item).__name__}, not a bytes-like object") from None
     return frames
 
 
@@ -215,9 +213,7 @@ def _bytes_view(frame: Buffer, what: str) -> memoryview:
     try:
         return memoryview(frame).cast("B")
     except TypeError as exc:
-        raise WireError(
-            f"{what} is not a contiguous bytes-like object ({type(frame).__name__}): {exc}"
-        ) from None
+        raise WireError(f"{what} is not a contiguous bytes-like object ({type(frame).__name__}): {exc}") from None
 
 
 def _parse_header(view: memoryview, max_body_bytes: int) -> Header:
@@ -266,15 +262,11 @@ def decode(frames: Sequence[Buffer], *, max_body_bytes: int = DEFAULT_MAX_BODY_B
     view = _bytes_view(frames[0], "frame 0")
     header = _parse_header(view, max_body_bytes)
     if header.attachments != len(frames) - 1:
-        raise WireError(
-            f"header announces {header.attachments} attachment frame(s), received {len(frames) - 1}"
-        )
+        raise WireError(f"header announces {header.attachments} attachment frame(s), received {len(frames) - 1}")
     try:
         message = _DECODERS[header.kind](view[HEADER_SIZE:])
     except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError) as exc:
-        raise WireError(
-            f"corrupted {_KIND_NAMES[header.kind]} body from schema {header.version}: {exc}"
-        ) from None
+        raise WireError(f"corrupted {_KIND_NAMES[header.kind]} body from schema {header.version}: {exc}") from None
     attachments = tuple(_bytes_view(frame, f"attachment frame {i}") for i, frame in enumerate(frames[1:], 1))
     return Decoded(message, attachments, header)
 
@@ -348,15 +340,11 @@ def check_hello(local: Hello, remote: Hello) -> HandshakeResult:
             remote_version=remote.schema_version,
         )
     if remote.engine_id != local.engine_id:
-        raise WireError(
-            f"engine id mismatch: this process serves {local.engine_id!r}, peer {remote.engine_id!r}"
-        )
+        raise WireError(f"engine id mismatch: this process serves {local.engine_id!r}, peer {remote.engine_id!r}")
     if remote.role == local.role:
         raise WireError(f"both peers are {local.role.value}s (rank {local.rank} and rank {remote.rank})")
     if remote.world_size != local.world_size:
-        raise WireError(
-            f"world size mismatch: this process expects {local.world_size}, peer {remote.world_size}"
-        )
+        raise WireError(f"world size mismatch: this process expects {local.world_size}, peer {remote.world_size}")
     mode: Literal["fast", "compatible"] = "fast" if remote.fingerprint == local.fingerprint else "compatible"
     return HandshakeResult(mode=mode, local=local, remote=remote)
 

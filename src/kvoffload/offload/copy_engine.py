@@ -169,8 +169,7 @@ def build_transfer_layout(
     engine_bytes = max((p.size for p in placements), default=0)
     return TransferLayout(
         groups=tuple(
-            _place_group(g, layers, where, num_blocks, worker_kv_bytes_per_block)
-            for g, layers in enumerate(groups)
+            _place_group(g, layers, where, num_blocks, worker_kv_bytes_per_block) for g, layers in enumerate(groups)
         ),
         num_blocks=num_blocks,
         worker_kv_bytes_per_block=worker_kv_bytes_per_block,
@@ -403,9 +402,7 @@ def build_copy_runs(
     return CopyRuns(engine, host, length, num_bytes)
 
 
-def _merge(
-    offsets: tuple[torch.Tensor, ...], length: torch.Tensor
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+def _merge(offsets: tuple[torch.Tensor, ...], length: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """Merge neighbouring runs whose every offset continues where the previous run ended."""
     m = length.numel()
     if m <= 1:
@@ -463,9 +460,7 @@ def _cpu_work(
     owner = (2 * ends - length) * parts // (2 * int(ends[-1]))  # the part holding each run's middle byte
     bounds = torch.searchsorted(owner, torch.arange(parts + 1)).tolist()
     return [
-        (dst[a:b].tolist(), src[a:b].tolist(), length[a:b].tolist())
-        for a, b in itertools.pairwise(bounds)
-        if b > a
+        (dst[a:b].tolist(), src[a:b].tolist(), length[a:b].tolist()) for a, b in itertools.pairwise(bounds) if b > a
     ]
 
 
@@ -545,9 +540,7 @@ class _CpuBackend:
         self._kv = kv_flat
         self._host = host_flat  # the references keep the memory behind the raw pointers alive
         self._parts = threads
-        self._helpers = (
-            ThreadPoolExecutor(threads - 1, thread_name_prefix="kvoffload-copy") if threads > 1 else None
-        )
+        self._helpers = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvoffload-copy") if threads > 1 else None
         self._cond = threading.Condition()
         self._done: dict[bool, deque[TransferResult]] = {True: deque(), False: deque()}
         self._pending: set[int] = set()
@@ -586,9 +579,7 @@ class _CpuBackend:
         if len(runs) == 0:
             return
         parallel = self._helpers is not None and runs.num_bytes >= _PARALLEL_MIN_BYTES
-        work = _cpu_work(
-            runs, is_store, self._kv.data_ptr(), self._host.data_ptr(), self._parts if parallel else 1
-        )
+        work = _cpu_work(runs, is_store, self._kv.data_ptr(), self._host.data_ptr(), self._parts if parallel else 1)
         futures = [self._helpers.submit(_memmove_runs, *w) for w in work[1:]] if self._helpers else []
         try:
             _memmove_runs(*work[0])
@@ -840,9 +831,7 @@ class CopyEngine:
             ):
                 low, high = int(offsets.min()), int((offsets + runs.lengths).max())
                 if low < 0 or high > limit:
-                    raise ConfigError(
-                        f"job {job_id}: runs reach {side} bytes [{low}, {high}) outside [0, {limit})"
-                    )
+                    raise ConfigError(f"job {job_id}: runs reach {side} bytes [{low}, {high}) outside [0, {limit})")
         if is_store and not self._writes:
             runs = CopyRuns.empty()
         self._unpolled.add(job_id)

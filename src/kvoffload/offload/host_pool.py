@@ -194,8 +194,7 @@ def shared_pool_path(engine_id: str, shm_dir: str | os.PathLike[str] = "/dev/shm
     """Path of the shared-memory file that every rank of engine ``engine_id`` maps."""
     if not _SAFE_ENGINE_ID.fullmatch(engine_id):
         raise ConfigError(
-            f"engine_id={engine_id!r} cannot name a shared-memory file: use 1-200 characters from "
-            "[A-Za-z0-9_.-]"
+            f"engine_id={engine_id!r} cannot name a shared-memory file: use 1-200 characters from [A-Za-z0-9_.-]"
         )
     return Path(shm_dir) / f"kvoffload_{engine_id}.mmap"
 

@@ -288,11 +288,7 @@ class ARCPolicy(CachePolicy):
     def insert_many(self, keys: Sequence[bytes], chunk_ids: Sequence[int]) -> None:
         """Insert new keys at the T1 tail in order, batched when none of them is resident yet."""
         t1 = self.t1
-        if (
-            len(keys) != len(chunk_ids)
-            or not t1.keys().isdisjoint(keys)
-            or not self.t2.keys().isdisjoint(keys)
-        ):
+        if len(keys) != len(chunk_ids) or not t1.keys().isdisjoint(keys) or not self.t2.keys().isdisjoint(keys):
             super().insert_many(keys, chunk_ids)
             return
         t1.update(zip(keys, chunk_ids, strict=True))

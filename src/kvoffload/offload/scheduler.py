@@ -167,9 +167,7 @@ class OffloadScheduler:
         ]
         self._groups = tuple(groups)
         # vLLM visits full attention first, then sliding windows from the largest window down.
-        self._lookup_order = tuple(
-            sorted(groups, key=lambda g: (g.window_chunks is not None, -(g.window_chunks or 0)))
-        )
+        self._lookup_order = tuple(sorted(groups, key=lambda g: (g.window_chunks is not None, -(g.window_chunks or 0))))
         if offload_prompt_only is None:
             offload_prompt_only = bool(config.extra_config.get("offload_prompt_only", True))
         self.offload_prompt_only = offload_prompt_only
@@ -374,8 +372,7 @@ class OffloadScheduler:
         req = self._request(req_id)
         if len(new_block_ids) != len(self._groups):
             raise ConfigError(
-                f"new_block_ids has {len(new_block_ids)} lists but the config offloads "
-                f"{len(self._groups)} groups"
+                f"new_block_ids has {len(new_block_ids)} lists but the config offloads {len(self._groups)} groups"
             )
         for g, ids in zip(self._groups, new_block_ids, strict=True):
             for block in ids:
@@ -411,8 +408,7 @@ class OffloadScheduler:
             ids = req.block_ids[g.index]
             if last > len(ids):
                 raise InvalidStateError(
-                    f"request {req.req_id!r}: group {g.group_id} has {len(ids)} blocks allocated, "
-                    f"the load needs {last}"
+                    f"request {req.req_id!r}: group {g.group_id} has {len(ids)} blocks allocated, the load needs {last}"
                 )
             group_sizes.append(max(0, last - first))
             block_indices.append(first)
@@ -600,9 +596,7 @@ class OffloadScheduler:
         """Ids of jobs not yet reported by every worker."""
         return sorted(self._jobs)
 
-    def _complete(
-        self, job: _Job, finished: list[str], failed_loads: list[str], failed_stores: list[str]
-    ) -> None:
+    def _complete(self, job: _Job, finished: list[str], failed_loads: list[str], failed_stores: list[str]) -> None:
         del self._jobs[job.job_id]
         req = self._requests.get(job.req_id)
         if job.is_store:
@@ -721,13 +715,9 @@ class OffloadScheduler:
                 by_group.setdefault(offload_key_group(key), []).append(offload_key_hash(key))
             for group_idx, hashes in by_group.items():
                 if event.removed:
-                    events.append(
-                        BlockRemoved(block_hashes=tuple(hashes), group_idx=group_idx, medium=medium)
-                    )
+                    events.append(BlockRemoved(block_hashes=tuple(hashes), group_idx=group_idx, medium=medium))
                 else:
-                    events.extend(
-                        BlockStored(block_hashes=(h,), group_idx=group_idx, medium=medium) for h in hashes
-                    )
+                    events.extend(BlockStored(block_hashes=(h,), group_idx=group_idx, medium=medium) for h in hashes)
         return events
 
     @staticmethod

@@ -69,9 +69,7 @@ class Channel:
             raise WorkerError(f"peer hung up ({what}): {exc or 'EOF'}") from None
         except OSError as exc:
             # recv_bytes raises OSError for a frame above max_frame_bytes and closes the connection.
-            raise WireError(
-                f"{what} is larger than {self.max_frame_bytes} bytes or unreadable: {exc}"
-            ) from None
+            raise WireError(f"{what} is larger than {self.max_frame_bytes} bytes or unreadable: {exc}") from None
         raise TimeoutError(f"no {what} within {timeout}s")
 
     def close(self) -> None:

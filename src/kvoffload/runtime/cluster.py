@@ -58,9 +58,7 @@ class WorkerCluster:
         world = snapshot.engine_config.parallel_config.world_size
         self.world_size = world if workers is None else workers
         if self.world_size != world:
-            raise ConfigError(
-                f"workers={workers} differs from parallel_config.world_size={world} of the snapshot"
-            )
+            raise ConfigError(f"workers={workers} differs from parallel_config.world_size={world} of the snapshot")
         transfer = snapshot.engine_config.kv_transfer_config
         self.engine_id = (transfer.engine_id if transfer else None) or "kvoffload"
         self.snapshot = snapshot

@@ -34,9 +34,7 @@ def _pattern(seed: int, layer: int, rank: int, words: int) -> torch.Tensor:
     return out
 
 
-def _pages(
-    kv: torch.Tensor, layout: TransferLayout, group: int, block: int
-) -> list[tuple[int, torch.Tensor]]:
+def _pages(kv: torch.Tensor, layout: TransferLayout, group: int, block: int) -> list[tuple[int, torch.Tensor]]:
     """(layer index, int64 view of that layer's page of ``block``) for every layer of ``group``."""
     pages = []
     for index, layer in enumerate(layout.groups[group].layers):
@@ -47,9 +45,7 @@ def _pages(
     return pages
 
 
-def fill_blocks(
-    kv: torch.Tensor, layout: TransferLayout, rank: int, entries: Sequence[tuple[int, int, int]]
-) -> None:
+def fill_blocks(kv: torch.Tensor, layout: TransferLayout, rank: int, entries: Sequence[tuple[int, int, int]]) -> None:
     """Write the deterministic KV of ``(group, block_id, seed)`` entries into the flat uint8 ``kv``."""
     for group, block, seed in entries:
         for layer, words in _pages(kv, layout, group, block):

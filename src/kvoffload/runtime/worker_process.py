@@ -88,9 +88,7 @@ class _Session:
         verify: list[tuple[int, int, int, int]] = []
         if self.spec.simulate:
             if len(attachments) != 2:
-                raise WireError(
-                    f"a simulated step needs 2 attachments (fill, verify), got {len(attachments)}"
-                )
+                raise WireError(f"a simulated step needs 2 attachments (fill, verify), got {len(attachments)}")
             flat = Int64Array.from_buffer(attachments[0]).tolist()
             fill = [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat) - 2, 3)]
             flat = Int64Array.from_buffer(attachments[1]).tolist()
