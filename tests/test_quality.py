@@ -29,7 +29,7 @@ def test_ruff_lint() -> None:
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
     assert ruff is not None, "ruff is a dev dependency"
     proc = subprocess.run(
-        [ruff, "check", "src", "codegen", "tests", "benchmarks"],
+        [ruff, "check", "src", "codegen", "tests", "benchmarks", "examples"],
         cwd=ROOT,
         capture_output=True,
         text=True,
