@@ -291,3 +291,31 @@ def test_bad_input_is_rejected_with_names() -> None:
         sched.add_request("b", [], 0, max_load_tokens=-3)
     with pytest.raises(ConfigError, match=r"2 lists|1 groups"):
         sched.on_blocks_allocated("a", [[1], [2]])
+
+
+def test_abort_before_the_load_is_sent_releases_everything() -> None:
+    sched, manager = make(world_size=1)
+    plan = store_prefix(sched, "a", hashes("a", 3), [1, 2, 3])
+    sched.on_worker_reports([report(list(plan.store_jobs), 0)])
+    sched.add_request("b", hashes("a", 3), 48)
+    assert sched.lookup("b", 0) == 32
+    sched.on_blocks_allocated("b", [[4, 5, 6]], num_external_tokens=32)
+    sched.abort_request("b")  # the load job was queued but never sent
+    assert sched.build_step_plan().load_jobs == ()
+    assert not sched.has_pending_work()
+    assert manager.stats().usage == 0.0  # pins released
+    assert sched.stats().failed_jobs == 0
+    sched.add_request("c", hashes("a", 3), 48)
+    assert sched.lookup("c", 0) == 32  # not deferred by a phantom in-flight load
+
+
+def test_repeated_report_from_one_worker_does_not_complete_a_job() -> None:
+    sched, manager = make(world_size=2)
+    hs = hashes("a", 1)
+    plan = store_prefix(sched, "a", hs, [1])
+    (job,) = plan.store_jobs
+    sched.on_worker_reports([report([job], 0), report([job], 0)])
+    assert sched.in_flight_job_ids() == [job.job_id]
+    assert manager.lookup(make_offload_key(hs[0], 0)) is LookupResult.HIT_PENDING
+    sched.on_worker_reports([report([job], 1)])
+    assert manager.lookup(make_offload_key(hs[0], 0)) is LookupResult.HIT

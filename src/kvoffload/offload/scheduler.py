@@ -70,6 +70,7 @@ class _Job:
     blocks: tuple[int, ...]
     failed: bool = False
     stale: bool = False
+    reported: set[int] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -568,11 +569,11 @@ class OffloadScheduler:
         for report in reports:
             for result in report.results:
                 job = self._jobs.get(result.job_id)
-                if job is None:
-                    continue
-                kind = "store" if job.is_store else "load"
+                if job is None or report.rank in job.reported:
+                    continue  # unknown, already completed, or a repeated report from the same worker
+                job.reported.add(report.rank)
                 self._counters["bytes_stored" if job.is_store else "bytes_loaded"] += result.num_bytes
-                self._seconds[kind] += result.seconds
+                self._seconds["store" if job.is_store else "load"] += result.seconds
                 job.failed = job.failed or not result.success
                 job.pending -= 1
                 if job.pending > 0:
@@ -611,14 +612,7 @@ class OffloadScheduler:
             elif not job.stale:
                 self._counters["tokens_stored"] += job.num_tokens
         else:
-            for key in job.keys:
-                left = self._loading.get(key, 0) - 1
-                if left > 0:
-                    self._loading[key] = left
-                else:
-                    self._loading.pop(key, None)
-            if not job.stale:
-                self.manager.complete_load(job.keys)
+            self._release_load(job)
             if job.failed:
                 self._counters["failed_jobs"] += 1
                 failed_loads.append(job.req_id)
@@ -630,6 +624,17 @@ class OffloadScheduler:
             req.jobs.discard(job.job_id)
             if req.finished and not req.jobs:
                 self._drop(req)
+
+    def _release_load(self, job: _Job) -> None:
+        """Unpin a finished (or withdrawn) load's chunks and stop counting them as being loaded."""
+        for key in job.keys:
+            left = self._loading.get(key, 0) - 1
+            if left > 0:
+                self._loading[key] = left
+            else:
+                self._loading.pop(key, None)
+        if not job.stale:
+            self.manager.complete_load(job.keys)
 
     # ---------------------------------------------------------------------------------------- lifecycle
 
@@ -655,7 +660,12 @@ class OffloadScheduler:
         for job_id in req.jobs:
             if self._jobs[job_id].is_store:
                 self._flush.add(job_id)
+        # A load not yet handed to the workers is dropped here: nothing will ever report it.
+        unsent = {j.job_id for j in self._pending_loads if j.req_id == req_id}
         self._pending_loads = [j for j in self._pending_loads if j.req_id != req_id]
+        for job_id in unsent:
+            self._release_load(self._jobs.pop(job_id))
+            req.jobs.discard(job_id)
         self.finish_request(req_id)
 
     def _drop(self, req: _Request) -> None:
