@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import textwrap
 from collections.abc import Sequence
@@ -26,6 +27,12 @@ class RenderedField:
     annotation: str
     default: str | None
     doc: str | None
+
+
+def import_order(name: str) -> tuple[int, str]:
+    """isort's order-by-type: CONSTANTS, then Classes, then functions/modules, each case-insensitively."""
+    kind = 0 if name.isupper() else 1 if name[:1].isupper() else 2
+    return kind, name.lower()
 
 
 def snake(name: str) -> str:
@@ -79,6 +86,8 @@ def default_expr(f: Field, schema: Schema) -> str | None:
         return f"{tref.name}.{member_name(str(value))}"
     if tref.kind == "primitive" and tref.name == "float":
         return repr(float(value))
+    if isinstance(value, str):
+        return json.dumps(value)  # a double-quoted literal, as the formatter writes it
     return repr(value)
 
 
@@ -201,8 +210,16 @@ def render(schema: Schema, *, source_name: str = "schema/kvoffload.toml") -> dic
         "uses_annotated": any(f.constraints for s in schema.structs.values() for f in s.fields),
         "all_names": sorted(
             [*schema.enums, *schema.structs, *schema.unions, "SCHEMA_NAME", "SCHEMA_VERSION", "SCHEMA_FINGERPRINT"]
-            + (["Message", "MESSAGE_TYPES"] if messages else [])
+            + (["Message", "MESSAGE_TYPES"] if messages else []),
+            key=import_order,
         ),
+        "dunder_all": sorted(
+            [*schema.enums, *schema.structs, *schema.unions, "SCHEMA_NAME", "SCHEMA_VERSION", "SCHEMA_FINGERPRINT"]
+            + (["Message", "MESSAGE_TYPES"] if messages else [])
+            + ["codecs"],
+            key=lambda n: (import_order(n)[0], n),  # ruff's RUF022 order: by kind, then case-sensitive
+        ),
+        "codec_imports": sorted([r["name"] for r in roots] + (["Message"] if messages else []), key=import_order),
     }
     files = {
         "types.py": env.get_template("types.py.j2").render(context),

@@ -36,3 +36,17 @@ def test_ruff_lint() -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_ruff_format_including_generated_code() -> None:
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    assert ruff is not None, "ruff is a dev dependency"
+    proc = subprocess.run(
+        [ruff, "format", "--check", "src", "codegen", "tests", "benchmarks", "examples"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

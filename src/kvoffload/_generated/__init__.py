@@ -5,6 +5,10 @@ Schema kvoffload 1.2 (fingerprint c3502c2e1330d811).
 
 from . import codecs
 from .types import (
+    MESSAGE_TYPES,
+    SCHEMA_FINGERPRINT,
+    SCHEMA_NAME,
+    SCHEMA_VERSION,
     AttentionSpec,
     BaseKVCacheSpec,
     BlockRemoved,
@@ -28,11 +32,10 @@ from .types import (
     KVEventsConfig,
     KVQuantMode,
     KVTransferConfig,
-    MESSAGE_TYPES,
-    MLAAttentionSpec,
     MambaSpec,
     Medium,
     Message,
+    MLAAttentionSpec,
     ModelConfig,
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -41,9 +44,6 @@ from .types import (
     OffloadingParallelConfig,
     ParallelConfig,
     PeerRole,
-    SCHEMA_FINGERPRINT,
-    SCHEMA_NAME,
-    SCHEMA_VERSION,
     Shutdown,
     SlidingWindowMLASpec,
     SlidingWindowSpec,
@@ -55,6 +55,10 @@ from .types import (
 )
 
 __all__ = [
+    "MESSAGE_TYPES",
+    "SCHEMA_FINGERPRINT",
+    "SCHEMA_NAME",
+    "SCHEMA_VERSION",
     "AttentionSpec",
     "BaseKVCacheSpec",
     "BlockRemoved",
@@ -78,7 +82,6 @@ __all__ = [
     "KVEventsConfig",
     "KVQuantMode",
     "KVTransferConfig",
-    "MESSAGE_TYPES",
     "MLAAttentionSpec",
     "MambaSpec",
     "Medium",
@@ -91,9 +94,6 @@ __all__ = [
     "OffloadingParallelConfig",
     "ParallelConfig",
     "PeerRole",
-    "SCHEMA_FINGERPRINT",
-    "SCHEMA_NAME",
-    "SCHEMA_VERSION",
     "Shutdown",
     "SlidingWindowMLASpec",
     "SlidingWindowSpec",

@@ -15,13 +15,13 @@ from kvoffload.packed import json_schema_hook
 
 from .types import (
     EngineSnapshot,
-    OffloadingConfig,
     Hello,
-    StepPlan,
-    WorkerReport,
-    Shutdown,
     KVEventBatch,
     Message,
+    OffloadingConfig,
+    Shutdown,
+    StepPlan,
+    WorkerReport,
 )
 
 Buffer = bytes | bytearray | memoryview

@@ -199,7 +199,7 @@ class ParallelConfig(
     data_parallel_rank_local: Annotated[int, msgspec.Meta(ge=0)] | None = None
     """Local DP rank (SPMD mode only)."""
 
-    distributed_executor_backend: str | None = 'mp'
+    distributed_executor_backend: str | None = "mp"
     """Executor backend: mp, ray, uni, external_launcher."""
 
     nnodes_within_dp: Annotated[int, msgspec.Meta(ge=1)] = 1
@@ -461,10 +461,10 @@ class MambaSpec(
     page_size_padded: Annotated[int, msgspec.Meta(ge=1)] | None = None
     """Padded page size in bytes."""
 
-    mamba_type: str = 'mamba2'
+    mamba_type: str = "mamba2"
     """Mamba attention backend."""
 
-    mamba_cache_mode: str = 'none'
+    mamba_cache_mode: str = "none"
     """none, align or all."""
 
     num_speculative_blocks: Annotated[int, msgspec.Meta(ge=0)] = 0
@@ -906,7 +906,7 @@ class Shutdown(
 
     MESSAGE_ID: ClassVar[int] = 4
 
-    reason: str = ''
+    reason: str = ""
     """Why, for logs."""
 
 
