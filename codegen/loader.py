@@ -68,6 +68,7 @@ class Struct:
     own_fields: tuple[Field, ...]
     fields: tuple[Field, ...]
     line: int = 0
+    gc: bool = True
 
     @property
     def live_fields(self) -> tuple[Field, ...]:
@@ -171,7 +172,7 @@ class _Lines:
 
 
 def fingerprint_of(source: SchemaFile) -> str:
-    """Hash of the canonical schema with every `doc` removed: docs never change the wire."""
+    """Hash of the canonical schema without `doc` and `gc`: neither changes the wire."""
 
     def strip(value: object) -> object:
         if isinstance(value, dict):
@@ -180,7 +181,10 @@ def fingerprint_of(source: SchemaFile) -> str:
             return [strip(v) for v in value]
         return value
 
-    canonical = json.dumps(strip(msgspec.to_builtins(source)), sort_keys=True, separators=(",", ":"))
+    data = msgspec.to_builtins(source)
+    for struct in data.get("struct", {}).values():
+        struct.pop("gc", None)  # a Python-side tracking option: it never changes the wire
+    canonical = json.dumps(strip(data), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
@@ -418,6 +422,7 @@ class _Resolver:
             own_fields=tuple(own),
             fields=tuple(inherited),
             line=self.lines.table("struct", name),
+            gc=s.gc,
         )
 
     def _field(self, owner: str, fd: FieldDef, owner_since: tuple[int, int] | None, kinds: dict[str, str]) -> Field:

@@ -139,6 +139,7 @@ def _struct(
         kw_only=True,
         forbid_unknown_fields=s.kind == "config",
         array_like=s.layout == "array",
+        gc=s.gc,
         tag_field=tag_field,
         tag=s.tag,
         namespace={"MESSAGE_ID": s.message_id} if s.message_id is not None else None,

@@ -48,6 +48,9 @@ class StructDef(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     kind: Literal["config", "message"] = "config"
     message_id: int | None = None
     root: bool = False
+    gc: bool = True
+    """False: instances are not tracked by Python's cycle GC (msgspec `gc=False`; cheaper hot messages). Only
+    for structs that cannot be part of a reference cycle. A Python-side option: not part of the fingerprint."""
     since: str | None = None
     fields: list[FieldDef] = []
 

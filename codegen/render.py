@@ -126,6 +126,8 @@ def class_kwargs(s: Struct, schema: Schema) -> list[str]:
         kwargs.append("forbid_unknown_fields=True")
     if s.layout == "array":
         kwargs.append("array_like=True")
+    if not s.gc:
+        kwargs.append("gc=False")
     if s.union is not None:
         kwargs.append(f'tag_field="{schema.unions[s.union].tag_field}"')
         kwargs.append(f'tag="{s.tag}"')

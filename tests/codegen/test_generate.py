@@ -69,3 +69,14 @@ def test_generated_code_has_no_type_ignore_and_a_header() -> None:
         assert "type: ignore" not in text, path
         assert text.startswith('"""@generated'), path
         assert max(len(line) for line in text.splitlines()) <= 120, path
+
+
+def test_gc_option_renders_and_leaves_the_fingerprint_alone(tmp_path: Path) -> None:
+    schema = load_schema(SCHEMA)
+    assert not schema.structs["StepPlan"].gc and schema.structs["EngineSnapshot"].gc
+    without = tmp_path / "no_gc.toml"
+    without.write_text(SCHEMA.read_text().replace("gc = false\n", ""))
+    assert load_schema(without).fingerprint == schema.fingerprint
+    from kvoffload import StepPlan
+
+    assert StepPlan.__struct_config__.gc is False

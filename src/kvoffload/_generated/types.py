@@ -789,6 +789,7 @@ class TransferJob(
     frozen=True,
     kw_only=True,
     array_like=True,
+    gc=False,
 ):
     """One load or store between engine blocks and host chunks, blocks ordered by group.
 
@@ -822,6 +823,7 @@ class StepPlan(
     frozen=True,
     kw_only=True,
     array_like=True,
+    gc=False,
 ):
     """Scheduler -> every worker, once per engine step: loads before the forward pass, stores after.
 
@@ -848,6 +850,7 @@ class JobResult(
     frozen=True,
     kw_only=True,
     array_like=True,
+    gc=False,
 ):
     """Outcome of one finished job on one worker.
 
@@ -875,6 +878,7 @@ class WorkerReport(
     frozen=True,
     kw_only=True,
     array_like=True,
+    gc=False,
 ):
     """Worker -> scheduler after each step: the jobs that finished since the last report.
 
