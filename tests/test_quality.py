@@ -1,4 +1,4 @@
-"""Project gates that CI must enforce: mypy --strict on src and codegen, ruff lint."""
+"""Project gates that CI must enforce: mypy --strict on src and codegen, ruff lint and format."""
 
 from __future__ import annotations
 
@@ -10,43 +10,30 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+CHECKED = ("src", "codegen", "tests", "benchmarks", "examples")
+
+
+def _run(*command: str) -> None:
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _ruff() -> str:
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    assert ruff is not None, "ruff is a dev dependency"
+    return ruff
 
 
 @pytest.mark.slow
 def test_mypy_strict_src_and_codegen() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "src", "codegen"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _run(sys.executable, "-m", "mypy", "--strict", "src", "codegen")
 
 
 @pytest.mark.slow
 def test_ruff_lint() -> None:
-    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
-    assert ruff is not None, "ruff is a dev dependency"
-    proc = subprocess.run(
-        [ruff, "check", "src", "codegen", "tests", "benchmarks", "examples"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _run(_ruff(), "check", *CHECKED)
 
 
 @pytest.mark.slow
 def test_ruff_format_including_generated_code() -> None:
-    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
-    assert ruff is not None, "ruff is a dev dependency"
-    proc = subprocess.run(
-        [ruff, "format", "--check", "src", "codegen", "tests", "benchmarks", "examples"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _run(_ruff(), "format", "--check", *CHECKED)
