@@ -102,9 +102,8 @@ _KIND_NAMES: Final = {kind: cls.__name__ for kind, cls in MESSAGE_TYPES.items()}
 _encode_into: Final = codecs.encode_msgpack_into
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
-    """The fixed header of frame 0."""
+class Header(msgspec.Struct, frozen=True, gc=False):
+    """The fixed header of frame 0 (a msgspec Struct: built on every decode, so it must be cheap)."""
 
     major: int
     minor: int
@@ -139,8 +138,7 @@ class Header:
             raise WireError(f"header does not fit the wire format: {exc}") from None
 
 
-@dataclass(frozen=True, slots=True)
-class Decoded:
+class Decoded(msgspec.Struct, frozen=True):
     """A decoded wire message: the typed message, its attachment frames and the sender's header."""
 
     message: Message
