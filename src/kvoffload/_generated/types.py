@@ -327,7 +327,9 @@ class AttentionSpec(
     """Bytes of one state when packed."""
 
     tokens_per_state: Annotated[int, msgspec.Meta(ge=1)] = 1
-    """Tokens compressed into one state."""
+    """Tokens compressed into one state (vLLM's Fraction(1, n), n states per token, is not expressible
+    yet).
+    """
 
 
 class FullAttentionSpec(
