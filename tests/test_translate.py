@@ -1046,3 +1046,30 @@ def test_any_decodable_snapshot_translates_or_raises_config_error(doc: dict[str,
         # The output round-trips through the strict decoder (its constraints hold).
         assert codecs.decode_offloading_config_json(codecs.encode_json(result)) == result
         assert explain_offloading_config(snapshot.engine_config, kv).config == result
+
+
+@pytest.mark.parametrize(
+    ("kind", "field"), [("sliding_window", "sliding_window"), ("chunked_local_attention", "attention_chunk_size")]
+)
+@pytest.mark.parametrize("value", [0, -16])
+def test_non_positive_window_decodes_and_fails_like_vllms_assert(kind: str, field: str, value: int) -> None:
+    # vLLM builds such a spec and only its translator's bare `assert window > 0` rejects it.
+    spec = {"type": kind, "block_size": 16, "num_kv_heads": 1, "head_size": 64, "dtype": "float16", field: value}
+    doc = {
+        "engine_config": {
+            "model_config": {"model": "m", "dtype": "float16", "use_mla": False, "total_num_kv_heads": 1},
+            "cache_config": {"block_size": 16},
+            "parallel_config": {},
+            "kv_transfer_config": {"engine_id": "e"},
+        },
+        "kv_cache_config": {
+            "num_blocks": 4,
+            "kv_cache_tensors": [],
+            "kv_cache_groups": [{"layer_names": ["l0"], "kv_cache_spec": spec}],
+        },
+    }
+    snapshot = msgspec.json.decode(json.dumps(doc), type=EngineSnapshot)
+    with pytest.raises(OffloadingConfigError) as info:
+        translate_snapshot(snapshot)
+    assert str(info.value) == "" and info.value.vllm_exception == "AssertionError"
+    assert info.value.__notes__ == [f"{field}={value} must be > 0"]

@@ -14,7 +14,7 @@ from kvoffload.packed import Int32Bytes, Int64Bytes
 
 SCHEMA_NAME: Final = "kvoffload"
 SCHEMA_VERSION: Final = "1.2"
-SCHEMA_FINGERPRINT: Final = "c3502c2e1330d811"
+SCHEMA_FINGERPRINT: Final = "9e5c7fe7e160447e"
 
 
 class DType(enum.StrEnum):
@@ -397,8 +397,8 @@ class SlidingWindowSpec(
 ):
     """Sliding-window attention."""
 
-    sliding_window: Annotated[int, msgspec.Meta(ge=1)]
-    """Window in tokens."""
+    sliding_window: int
+    """Window in tokens (> 0; the translator rejects others as vLLM's assert does)."""
 
     extra_retained_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     """Tokens retained beyond the window."""
@@ -440,8 +440,8 @@ class ChunkedLocalAttentionSpec(
 ):
     """Chunked local attention."""
 
-    attention_chunk_size: Annotated[int, msgspec.Meta(ge=1)]
-    """Attention chunk in tokens."""
+    attention_chunk_size: int
+    """Attention chunk in tokens (> 0; the translator rejects others as vLLM's assert does)."""
 
 
 class MambaSpec(
