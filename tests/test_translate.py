@@ -1073,3 +1073,35 @@ def test_non_positive_window_decodes_and_fails_like_vllms_assert(kind: str, fiel
         translate_snapshot(snapshot)
     assert str(info.value) == "" and info.value.vllm_exception == "AssertionError"
     assert info.value.__notes__ == [f"{field}={value} must be > 0"]
+
+
+def _one_group_snapshot(spec: dict[str, object]) -> EngineSnapshot:
+    doc = {
+        "engine_config": {
+            "model_config": {"model": "m", "dtype": "float16", "use_mla": True, "total_num_kv_heads": 1},
+            "cache_config": {"block_size": 16},
+            "parallel_config": {},
+            "kv_transfer_config": {"engine_id": "e", "kv_connector_extra_config": {"blocks_per_chunk": 0}},
+        },
+        "kv_cache_config": {
+            "num_blocks": 4,
+            "kv_cache_tensors": [],
+            "kv_cache_groups": [{"layer_names": ["l0"], "kv_cache_spec": spec}],
+        },
+    }
+    return msgspec.json.decode(json.dumps(doc), type=EngineSnapshot)
+
+
+def test_spec_construction_errors_come_first_like_vllm() -> None:
+    # vLLM raises these while building the spec objects, before the translator's own checks (here the
+    # blocks_per_chunk=0 in the extra config would be next).
+    base = {"type": "mla_attention", "block_size": 16, "num_kv_heads": 1, "head_size": 576, "dtype": "bfloat16"}
+    with pytest.raises(OffloadingConfigError, match=r"^block_stride_alignment must be positive$") as info:
+        translate_snapshot(_one_group_snapshot({**base, "block_stride_alignment": 0}))
+    assert info.value.vllm_exception == "ValueError"
+    swa = {**base, "type": "sliding_window_mla", "sliding_window": 128, "model_version": "deepseek_v3"}
+    with pytest.raises(OffloadingConfigError) as info:
+        translate_snapshot(_one_group_snapshot(swa))
+    assert str(info.value) == "" and info.value.vllm_exception == "AssertionError"
+    with pytest.raises(OffloadingConfigError, match="'blocks_per_chunk' must be greater than 0"):
+        translate_snapshot(_one_group_snapshot({**base, "block_stride_alignment": 64}))

@@ -251,8 +251,22 @@ def _int_option(key: str, value: object) -> int:
         raise ConfigError(f"kv_connector_extra_config[{key!r}]={value!r} is not an integer: {exc}") from exc
 
 
+def _check_spec_construction(kv: KVCacheConfig) -> None:
+    """What vLLM's spec dataclasses reject when they are built, i.e. before the translator runs."""
+    for group in kv.kv_cache_groups:
+        for spec in (group.kv_cache_spec, *iter_layer_specs(group.kv_cache_spec)):
+            alignment = spec.block_stride_alignment
+            if alignment is not None and alignment <= 0:
+                raise OffloadingConfigError("block_stride_alignment must be positive")
+            if isinstance(spec, SlidingWindowMLASpec) and spec.model_version not in (None, "deepseek_v4"):
+                raise _bare_assertion(
+                    f"SlidingWindowMLASpec.model_version={spec.model_version!r} (None or deepseek_v4)"
+                )
+
+
 def _translate(engine_config: EngineConfig, kv: KVCacheConfig, note: DecisionSink) -> OffloadingConfig:
     """The rules of vLLM 0.33's ``build_offloading_config`` in order, reporting each decision to ``note``."""
+    _check_spec_construction(kv)
     # Rule 1: the connector config and the engine id must exist (bare asserts in vLLM).
     transfer = engine_config.kv_transfer_config
     if transfer is None:

@@ -14,7 +14,7 @@ from kvoffload.packed import Int32Bytes, Int64Bytes
 
 SCHEMA_NAME: Final = "kvoffload"
 SCHEMA_VERSION: Final = "1.2"
-SCHEMA_FINGERPRINT: Final = "9e5c7fe7e160447e"
+SCHEMA_FINGERPRINT: Final = "ae4979e33b976324"
 
 
 class DType(enum.StrEnum):
@@ -277,8 +277,8 @@ class BaseKVCacheSpec(
     dcp_sharded: bool = False
     """Whether DCP shards this spec's tokens."""
 
-    block_stride_alignment: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    """Byte alignment of the block stride."""
+    block_stride_alignment: int | None = None
+    """Byte alignment of the block stride (> 0; vLLM's spec rejects others with a ValueError)."""
 
     is_draft: bool = False
     """Spec of a draft (speculative) model layer."""
