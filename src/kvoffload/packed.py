@@ -191,9 +191,7 @@ for _cls in (Int32Array, Int64Array):
 
 
 def _pack(cls: type[PackedIntArray], values: Iterable[int] | torch.Tensor) -> bytes:
-    import sys as _sys
-
-    torch_mod = _sys.modules.get("torch")
+    torch_mod = sys.modules.get("torch")  # a tensor can only exist if torch is already imported
     if torch_mod is not None and isinstance(values, torch_mod.Tensor):
         return cls.from_tensor(values).tobytes()
     return cls(values).tobytes()

@@ -254,7 +254,9 @@ def _int_option(key: str, value: object) -> int:
 def _check_spec_construction(kv: KVCacheConfig) -> None:
     """What vLLM's spec dataclasses reject when they are built, i.e. before the translator runs."""
     for group in kv.kv_cache_groups:
-        for spec in (group.kv_cache_spec, *iter_layer_specs(group.kv_cache_spec)):
+        outer = group.kv_cache_spec
+        nested = outer.kv_cache_specs.values() if isinstance(outer, UniformTypeKVCacheSpecs) else ()
+        for spec in (outer, *nested):
             alignment = spec.block_stride_alignment
             if alignment is not None and alignment <= 0:
                 raise OffloadingConfigError("block_stride_alignment must be positive")

@@ -22,7 +22,6 @@ allocated), so a store planned between lookup and allocation can never evict the
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -38,7 +37,7 @@ from .._generated import (
 )
 from ..errors import ConfigError, InvalidStateError
 from ..packed import pack_int32, pack_int64
-from .keys import hashes_per_chunk, offload_key_group, offload_key_hash
+from .keys import chunk_keys, hashes_per_chunk, offload_key_group, offload_key_hash
 from .manager import HostBlockManager, LookupResult
 
 __all__ = ["OffloadScheduler", "ReportOutcome", "SchedulerStats"]
@@ -255,12 +254,9 @@ class OffloadScheduler:
         return req
 
     def _update_keys(self, req: _Request) -> None:
-        hashes = req.block_hashes
         for g in self._groups:
             keys = req.keys[g.index]
-            hpc = g.hashes_per_chunk
-            suffix = g.group_id.to_bytes(4, "big")
-            keys.extend(hashes[i] + suffix for i in range((len(keys) + 1) * hpc - 1, len(hashes), hpc))
+            keys.extend(chunk_keys(req.block_hashes, g.group_id, g.hashes_per_chunk, start_chunk=len(keys)))
 
     # -------------------------------------------------------------------------------------------- lookup
 
@@ -347,13 +343,15 @@ class OffloadScheduler:
             first = max(first, last - g.window_chunks * bpc)
         return first, last
 
-    def _hit_keys(self, req: _Request, start: int, end: int) -> list[bytes]:
+    def _chunk_keys_of_blocks(self, req: _Request, g: _Group, first: int, last: int) -> list[bytes]:
+        """Keys of the chunks holding engine blocks [first, last) of group ``g`` (partial chunks included)."""
         bpc = self.config.cache.blocks_per_chunk
-        keys: list[bytes] = []
-        for g in self._groups:
-            first, last = self._load_range(g, start, end)
-            keys.extend(req.keys[g.index][first // bpc : -(-last // bpc)])
-        return keys
+        return req.keys[g.index][first // bpc : -(-last // bpc)]
+
+    def _hit_keys(self, req: _Request, start: int, end: int) -> list[bytes]:
+        return [
+            key for g in self._groups for key in self._chunk_keys_of_blocks(req, g, *self._load_range(g, start, end))
+        ]
 
     def _release_pins(self, req: _Request) -> None:
         if req.pinned:
@@ -394,7 +392,6 @@ class OffloadScheduler:
                 f"request {req.req_id!r}: num_external_tokens={num_external_tokens} exceeds the last lookup "
                 f"hit ({req.hit_end - req.hit_start} tokens)"
             )
-        bpc = self.config.cache.blocks_per_chunk
         group_sizes: list[int] = []
         block_indices: list[int] = []
         blocks: list[int] = []
@@ -414,10 +411,9 @@ class OffloadScheduler:
             group_sizes.append(max(0, last - first))
             block_indices.append(first)
             blocks.extend(ids[first:last])
-            keys.extend(req.keys[g.index][first // bpc : -(-last // bpc)])
-        unused = list(req.pinned)
-        for key in keys:
-            unused.remove(key)
+            keys.extend(self._chunk_keys_of_blocks(req, g, first, last))
+        used = set(keys)
+        unused = [k for k in req.pinned if k not in used]
         if unused:
             self.manager.complete_load(unused)
         req.pinned = []
@@ -729,8 +725,3 @@ class OffloadScheduler:
                 else:
                     events.extend(BlockStored(block_hashes=(h,), group_idx=group_idx, medium=medium) for h in hashes)
         return events
-
-    @staticmethod
-    def now() -> float:
-        """Wall clock for event batches."""
-        return time.time()
