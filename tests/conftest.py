@@ -1,9 +1,10 @@
-"""Shared test fixtures: paths to the repository and to the shared reference cases."""
+"""Shared test fixtures: the repository root and the translate cases recorded from vLLM 0.33.0."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -15,20 +16,14 @@ settings.load_profile("kvoffload")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def shared_dir() -> Path:
-    """The `shared/` folder beside the checkout (CI lays it next to the clone)."""
-    for candidate in (ROOT.parent / "shared", ROOT / "shared"):
-        if (candidate / "cases" / "translate.jsonl").exists():
-            return candidate
-    raise FileNotFoundError("shared/cases/translate.jsonl not found beside the repository")
+CASES_FILE = ROOT / "tests" / "data" / "translate_cases.jsonl"
 
 
-def load_cases() -> list[dict[str, object]]:
+def load_cases() -> list[dict[str, Any]]:
     """The translate cases answered by released vLLM 0.33.0."""
-    path = shared_dir() / "cases" / "translate.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in CASES_FILE.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="session")
-def translate_cases() -> list[dict[str, object]]:
+def translate_cases() -> list[dict[str, Any]]:
     return load_cases()

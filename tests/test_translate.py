@@ -42,6 +42,7 @@ from kvoffload import (
     UniformTypeKVCacheSpecs,
     codecs,
 )
+from tests.conftest import load_cases
 from kvoffload.layout import flatten_for_scheduler
 from kvoffload.translate import (
     Explanation,
@@ -54,20 +55,11 @@ from kvoffload.translate import (
 )
 
 # ------------------------------------------------------------------------------------------------------------
-# shared cases answered by vLLM 0.33.0
+# recorded cases answered by vLLM 0.33.0 (tests/data/translate_cases.jsonl)
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _cases_file() -> Path:
-    here = Path(__file__).resolve()
-    for candidate in (here.parents[2] / "shared", here.parents[1] / "shared"):
-        path = candidate / "cases" / "translate.jsonl"
-        if path.exists():
-            return path
-    raise FileNotFoundError("shared/cases/translate.jsonl not found beside the repository")
-
-
-CASES: list[dict[str, Any]] = [json.loads(line) for line in _cases_file().read_text().splitlines() if line.strip()]
+CASES: list[dict[str, Any]] = load_cases()
 
 
 def _outcome(engine_config: EngineConfig, kv: KVCacheConfig) -> dict[str, Any]:
