@@ -19,6 +19,7 @@ from kvoffload import (
     SCHEMA_VERSION,
     BlockRemoved,
     BlockStored,
+    Heartbeat,
     Hello,
     JobResult,
     KVEventBatch,
@@ -29,6 +30,7 @@ from kvoffload import (
     StepPlan,
     TransferJob,
     WireError,
+    WorkerFailure,
     WorkerReport,
     codecs,
     wire,
@@ -92,6 +94,8 @@ SAMPLES: dict[str, Message] = {
             BlockRemoved(block_hashes=(b"\x01" * 8,), medium=Medium.STORAGE),
         ),
     ),
+    "worker_failure": WorkerFailure(rank=1, error_type="ConfigError", message="bad value", step=3),
+    "heartbeat": Heartbeat(rank=1, seq=42),
 }
 
 

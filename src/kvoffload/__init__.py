@@ -24,6 +24,7 @@ from ._generated import (
     EngineConfig,
     EngineSnapshot,
     FullAttentionSpec,
+    Heartbeat,
     Hello,
     JobResult,
     KVCacheConfig,
@@ -55,6 +56,7 @@ from ._generated import (
     StepPlan,
     TransferJob,
     UniformTypeKVCacheSpecs,
+    WorkerFailure,
     WorkerReport,
     codecs,
 )
@@ -100,6 +102,7 @@ if _TYPE_CHECKING:
     from .offload.copy_engine import CopyEngine, TransferLayout, TransferResult, transfer_layout_from_config
     from .offload.host_pool import HostPool, HostPoolPlan, plan_host_pool, plan_host_pool_from_config
     from .offload.worker import OffloadWorker
+    from .runnable import validate_runnable
     from .runtime.cluster import WorkerCluster
 
 _LAZY = {
@@ -113,6 +116,7 @@ _LAZY = {
     "plan_host_pool_from_config": "kvoffload.offload.host_pool",
     "OffloadWorker": "kvoffload.offload.worker",
     "WorkerCluster": "kvoffload.runtime.cluster",
+    "validate_runnable": "kvoffload.runnable",
 }
 
 
@@ -150,6 +154,7 @@ __all__ = [
     "EngineSnapshot",
     "Explanation",
     "FullAttentionSpec",
+    "Heartbeat",
     "Hello",
     "HostBlockManager",
     "HostMemoryError",
@@ -209,6 +214,7 @@ __all__ = [
     "WireError",
     "WorkerCluster",
     "WorkerError",
+    "WorkerFailure",
     "WorkerReport",
     "__version__",
     "build_offloading_config",
@@ -226,5 +232,6 @@ __all__ = [
     "translate_snapshot",
     "unpack_int32",
     "unpack_int64",
+    "validate_runnable",
     "wire",
 ]
