@@ -16,6 +16,7 @@ Invalid input and translator rejections exit with status 2 and one ``error: …`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -127,6 +128,13 @@ def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--snapshot", default=None, help="engine snapshot JSON/TOML instead of the embedded Llama-style one")
     p.add_argument("--shared-pool", action="store_true", help="map one shared-memory host pool for all ranks")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="give up a worker that sends no heartbeat for this long: stopped or frozen (default 10)",
+    )
     p.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
     p.set_defaults(handler=_run_demo)
 
@@ -150,12 +158,17 @@ def _run_demo(args: argparse.Namespace) -> int:
     options = DemoOptions(
         requests=args.requests, conversations=args.conversations, seed=args.seed, shared_pool=args.shared_pool
     )
+    if args.worker_timeout is not None:
+        if not 0 < args.worker_timeout < 1e9:
+            raise ConfigError(f"--worker-timeout={args.worker_timeout} must be a number of seconds > 0")
+        options = dataclasses.replace(options, worker_timeout_s=args.worker_timeout)
     result = run_demo(snapshot, options, progress=not args.no_progress)
     print(render_result(result), end="")
     if not result.ok:
         _error(
             f"verification failed: {len(result.mismatched_blocks)} mismatched blocks, {result.failed_jobs} "
             f"failed jobs, dead workers {result.dead_workers}"
+            + "".join(f"; {reason}" for reason in result.worker_errors.values())
         )
         return 1
     print(f"ok: {result.blocks_verified} reloaded blocks verified byte for byte")

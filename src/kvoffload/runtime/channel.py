@@ -91,7 +91,9 @@ class Channel:
                 f"(the envelope plus at most max_attachments={self.max_attachments})"
             )
         first_limit = wire.HEADER_SIZE + self.max_body_bytes
-        frames = [self._recv_frame(timeout, first_limit, what=f"frame 1/{count} (limit max_body_bytes={self.max_body_bytes})")]
+        frames = [
+            self._recv_frame(timeout, first_limit, what=f"frame 1/{count} (limit max_body_bytes={self.max_body_bytes})")
+        ]
         budget = self.max_attachment_bytes
         for i in range(1, count):
             what = f"frame {i + 1}/{count} (attachments over max_attachment_bytes={self.max_attachment_bytes})"

@@ -17,6 +17,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -66,6 +67,27 @@ class ClusterStep:
 
 DEFAULT_WORKER_TIMEOUT_S = 10.0
 """A worker that sends no heartbeat (nor anything else) for this long is given up as stopped or frozen."""
+
+
+def _start_ignoring_sigint(proc: BaseProcess) -> None:
+    """Start ``proc`` with SIGINT ignored from its first instruction, without losing a Ctrl-C meant for us.
+
+    An ignored disposition survives exec (a handler or the signal mask do not), so a Ctrl-C while the child
+    still imports cannot kill it with a traceback; the worker keeps ignoring SIGINT and leaves stopping to the
+    scheduler. Meanwhile SIGINT is blocked here: one arriving stays pending and is delivered once restored.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        proc.start()  # signal dispositions can only be changed from the main thread
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            proc.start()
+        finally:
+            signal.signal(signal.SIGINT, handler)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 class WorkerCluster:
@@ -160,13 +182,7 @@ class WorkerCluster:
                     name=f"kvoffload-worker-{spec.rank}",
                     daemon=True,
                 )
-                # A child starts with SIGINT blocked (the mask survives exec) so a Ctrl-C while it imports
-                # cannot kill it with a traceback; it then ignores SIGINT and leaves stopping to us.
-                old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-                try:
-                    proc.start()
-                finally:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+                _start_ignoring_sigint(proc)
                 child.close()
                 self._procs[spec.rank] = proc
                 self._channels[spec.rank] = Channel(parent)
@@ -218,9 +234,7 @@ class WorkerCluster:
                     decoded = channel.recv(max(self.worker_timeout_s, 1.0))
                 except WorkerError:
                     proc.join(1.0)
-                    raise WorkerError(
-                        f"worker {rank} hung up without a reason (exit status {proc.exitcode})"
-                    ) from None
+                    raise WorkerError(f"worker {rank} hung up without a reason (exit status {proc.exitcode})") from None
                 if seen is not None:
                     self._last_seen[rank] = time.monotonic()
                 message = decoded.message
