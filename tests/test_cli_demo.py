@@ -110,7 +110,7 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(tmp_path: Path) -> No
         assert len(workers) == 2, "the demo did not start its workers"
         time.sleep(2.0)  # let it get into its steps (what is asserted below holds at any moment)
         os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

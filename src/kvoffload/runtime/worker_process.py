@@ -16,6 +16,7 @@ shuts them down (a terminal sends SIGINT to the whole process group).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import struct
@@ -205,10 +206,8 @@ def _send(channel: Channel, message: Message, extras: Sequence[bytes] = ()) -> N
 def _report_failure(channel: Channel, rank: int, step: int, exc: BaseException) -> None:
     """Tell the scheduler why this worker stops (best effort: it may be gone already)."""
     message = " ".join(str(exc).split())[:4000]
-    try:
+    with contextlib.suppress(WorkerError, OSError, ValueError):
         channel.send(WorkerFailure(rank=rank, error_type=type(exc).__name__, message=message, step=step))
-    except (WorkerError, OSError, ValueError):
-        pass
 
 
 def run_worker(conn: Connection, spec_json: bytes) -> None:
