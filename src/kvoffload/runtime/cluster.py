@@ -221,14 +221,17 @@ class WorkerCluster:
             now = time.monotonic()
             seen = self._last_seen.get(rank)
             alive_until = float("inf") if seen is None else seen + self.worker_timeout_s
-            if now >= alive_until:
-                raise WorkerError(
-                    f"worker {rank} sent no heartbeat for {self.worker_timeout_s:g}s (worker_timeout_s): "
-                    "stopped or frozen"
-                )
-            if now >= deadline:
-                raise WorkerError(f"worker {rank} did not answer within {timeout:g}s")
-            ready = wait([channel.conn, proc.sentinel], min(deadline, alive_until) - now)
+            # Messages already waiting count first: heartbeats queue up while the scheduler is busy elsewhere.
+            ready = wait([channel.conn, proc.sentinel], max(0.0, min(deadline, alive_until) - now))
+            if not ready:
+                if time.monotonic() >= alive_until:
+                    raise WorkerError(
+                        f"worker {rank} sent no heartbeat for {self.worker_timeout_s:g}s (worker_timeout_s): "
+                        "stopped or frozen"
+                    )
+                if time.monotonic() >= deadline:
+                    raise WorkerError(f"worker {rank} did not answer within {timeout:g}s")
+                continue
             if channel.conn in ready:
                 try:
                     decoded = channel.recv(max(self.worker_timeout_s, 1.0))
