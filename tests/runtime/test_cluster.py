@@ -229,7 +229,7 @@ def test_combined_host_pools_beyond_available_memory_are_refused_before_spawning
 
 def test_unrunnable_rank_config_is_refused_before_spawning() -> None:
     snapshot = snapshot_with_overrides(small_snapshot(), cpu_bytes=None, policy="mru")
-    with pytest.raises(ConfigError, match="eviction_policy.*'mru'"):
+    with pytest.raises(ConfigError, match=r"eviction_policy.*'mru'"):
         WorkerCluster(snapshot, simulate=True).start()
     assert not mp.active_children()
 
