@@ -7,10 +7,12 @@ Subcommands (one ``_add_<name>`` parser builder and one ``_run_<name>`` handler 
   with vLLM 0.33's field names (pretty JSON by default).
 * ``kvoffload schema [--json-schema | --version]`` prints the JSON Schema of an engine snapshot, or the schema
   version and fingerprint.
-* ``kvoffload demo [--workers N] [--requests N] [--cpu-bytes SIZE] [--policy lru|arc] [--snapshot FILE]`` runs
-  the verified multi-process offloading demo (the main job); it exits 1 when any reloaded block mismatches.
+* ``kvoffload demo [--workers N] [--requests N] [--cpu-bytes SIZE] [--policy lru|arc] [--snapshot FILE]
+  [--worker-timeout SECONDS]`` runs the verified multi-process offloading demo (the main job); it exits 1 when
+  any reloaded block mismatches or a worker dies (with the worker's own error).
 
-Invalid input and translator rejections exit with status 2 and one ``error: …`` line on stderr (no traceback).
+Invalid input, unrunnable snapshots and translator rejections exit with status 2 and one ``error: …`` line on
+stderr (no traceback); Ctrl-C exits with 130 and one line, after the demo's workers are stopped.
 """
 
 from __future__ import annotations

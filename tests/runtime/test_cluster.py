@@ -14,6 +14,7 @@ import pytest
 
 from kvoffload import (
     ConfigError,
+    DeadlineError,
     HostMemoryError,
     Int64Array,
     Shutdown,
@@ -158,8 +159,9 @@ def test_channel_rejects_garbage_with_wire_error() -> None:
     sender.send_raw([b"\x00" * 3])
     with pytest.raises(WireError, match="truncated"):
         receiver.recv(1.0)
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError) as info:
         receiver.recv(0.05)
+    assert isinstance(info.value, DeadlineError)
 
 
 def test_demo_small_run_verifies_every_reload() -> None:
