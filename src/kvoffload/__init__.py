@@ -24,6 +24,7 @@ from ._generated import (
     EngineConfig,
     EngineSnapshot,
     FullAttentionSpec,
+    Heartbeat,
     Hello,
     JobResult,
     KVCacheConfig,
@@ -55,17 +56,21 @@ from ._generated import (
     StepPlan,
     TransferJob,
     UniformTypeKVCacheSpecs,
+    WorkerFailure,
     WorkerReport,
     codecs,
 )
 from .errors import (
+    ArgumentTypeError,
     ConfigError,
+    DeadlineError,
     HostMemoryError,
     InvalidStateError,
     KVOffloadError,
     OffloadingConfigError,
     SchemaMismatchError,
     TransferError,
+    ValueOverflowError,
     VerificationError,
     WireError,
     WorkerError,
@@ -97,6 +102,7 @@ if _TYPE_CHECKING:
     from .offload.copy_engine import CopyEngine, TransferLayout, TransferResult, transfer_layout_from_config
     from .offload.host_pool import HostPool, HostPoolPlan, plan_host_pool, plan_host_pool_from_config
     from .offload.worker import OffloadWorker
+    from .runnable import validate_runnable
     from .runtime.cluster import WorkerCluster
 
 _LAZY = {
@@ -110,6 +116,7 @@ _LAZY = {
     "plan_host_pool_from_config": "kvoffload.offload.host_pool",
     "OffloadWorker": "kvoffload.offload.worker",
     "WorkerCluster": "kvoffload.runtime.cluster",
+    "validate_runnable": "kvoffload.runnable",
 }
 
 
@@ -130,6 +137,7 @@ __version__ = "0.1.0"
 __all__ = [
     "SCHEMA_FINGERPRINT",
     "SCHEMA_VERSION",
+    "ArgumentTypeError",
     "AttentionSpec",
     "BaseKVCacheSpec",
     "BlockRemoved",
@@ -140,11 +148,13 @@ __all__ = [
     "ConfigError",
     "CopyEngine",
     "DType",
+    "DeadlineError",
     "Decision",
     "EngineConfig",
     "EngineSnapshot",
     "Explanation",
     "FullAttentionSpec",
+    "Heartbeat",
     "Hello",
     "HostBlockManager",
     "HostMemoryError",
@@ -199,10 +209,12 @@ __all__ = [
     "TransferLayout",
     "TransferResult",
     "UniformTypeKVCacheSpecs",
+    "ValueOverflowError",
     "VerificationError",
     "WireError",
     "WorkerCluster",
     "WorkerError",
+    "WorkerFailure",
     "WorkerReport",
     "__version__",
     "build_offloading_config",
@@ -220,5 +232,6 @@ __all__ = [
     "translate_snapshot",
     "unpack_int32",
     "unpack_int64",
+    "validate_runnable",
     "wire",
 ]

@@ -14,7 +14,7 @@ from kvoffload.packed import Int32Bytes, Int64Bytes
 
 SCHEMA_NAME: Final = "kvoffload"
 SCHEMA_VERSION: Final = "1.3"
-SCHEMA_FINGERPRINT: Final = "829761d2f0b23aca"
+SCHEMA_FINGERPRINT: Final = "bc7234555044dfa3"
 
 
 class DType(enum.StrEnum):
@@ -998,6 +998,54 @@ class KVEventBatch(
     """Events in order."""
 
 
+class WorkerFailure(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    array_like=True,
+):
+    """Worker -> scheduler, its last message: why it cannot go on (the exception it stopped on).
+
+    Since schema 1.3.
+    """
+
+    MESSAGE_ID: ClassVar[int] = 9
+
+    rank: Annotated[int, msgspec.Meta(ge=0)]
+    """Failing worker."""
+
+    error_type: str
+    """Class name of the worker's exception, e.g. ConfigError."""
+
+    message: str
+    """The exception's message."""
+
+    step: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Last step the worker received (0 before the first)."""
+
+
+class Heartbeat(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    array_like=True,
+    gc=False,
+):
+    """Worker -> scheduler, from a thread every few seconds: the process is alive (a stopped one sends
+    none).
+
+    Since schema 1.3.
+    """
+
+    MESSAGE_ID: ClassVar[int] = 10
+
+    rank: Annotated[int, msgspec.Meta(ge=0)]
+    """Sending worker."""
+
+    seq: Annotated[int, msgspec.Meta(ge=0)]
+    """Heartbeat counter, from 0."""
+
+
 class VLLMConnectorConfig(
     msgspec.Struct,
     frozen=True,
@@ -1061,7 +1109,7 @@ KVEvent: TypeAlias = BlockStored | BlockRemoved
 """A KV cache event, tagged by `type`."""
 
 
-Message: TypeAlias = Hello | StepPlan | WorkerReport | Shutdown | KVEventBatch
+Message: TypeAlias = Hello | StepPlan | WorkerReport | Shutdown | KVEventBatch | WorkerFailure | Heartbeat
 """Any top-level wire message."""
 
 MESSAGE_TYPES: Final[dict[int, type[Message]]] = {
@@ -1070,5 +1118,7 @@ MESSAGE_TYPES: Final[dict[int, type[Message]]] = {
     3: WorkerReport,
     4: Shutdown,
     5: KVEventBatch,
+    9: WorkerFailure,
+    10: Heartbeat,
 }
 """Message id (the envelope's kind byte) -> message class."""

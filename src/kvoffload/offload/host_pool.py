@@ -32,9 +32,12 @@ __all__ = [
     "HostPool",
     "HostPoolPlan",
     "available_host_memory_bytes",
+    "check_pools_fit",
+    "owned_pool_id",
     "plan_host_pool",
     "plan_host_pool_from_config",
     "shared_pool_path",
+    "sweep_stale_pools",
 ]
 
 PAGE_SIZE = mmap.PAGESIZE
@@ -197,6 +200,71 @@ def shared_pool_path(engine_id: str, shm_dir: str | os.PathLike[str] = "/dev/shm
             f"engine_id={engine_id!r} cannot name a shared-memory file: use 1-200 characters from [A-Za-z0-9_.-]"
         )
     return Path(shm_dir) / f"kvoffload_{engine_id}.mmap"
+
+
+_OWNED_NAME = re.compile(r"kvoffload_.+\.pid([0-9]{1,10})\.mmap")
+
+
+def owned_pool_id(engine_id: str, pid: int | None = None) -> str:
+    """A shared-pool id that names its owner process (default: this one): ``{engine_id}.pid{pid}``.
+
+    The owner is the process that chose the name and outlives every rank mapping it (the scheduler of a
+    :class:`~kvoffload.runtime.cluster.WorkerCluster`). If it dies without removing the file (SIGKILL),
+    :func:`sweep_stale_pools` in a later run sees the owner is gone and removes it.
+    """
+    return f"{engine_id}.pid{os.getpid() if pid is None else pid}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # another user's process, or a pid we cannot ask about: keep the file
+    return pid > 0
+
+
+def sweep_stale_pools(shm_dir: str | os.PathLike[str] = "/dev/shm") -> list[Path]:
+    """Remove shared-pool files named by :func:`owned_pool_id` whose owner process no longer exists.
+
+    Returns the removed paths. Files without an owner pid in their name are never touched; a reused pid only
+    keeps a stale file longer (it is never a reason to remove a live one).
+    """
+    removed: list[Path] = []
+    with contextlib.suppress(OSError):
+        for path in sorted(Path(shm_dir).glob("kvoffload_*.mmap")):
+            match = _OWNED_NAME.fullmatch(path.name)
+            if match is None or _pid_alive(int(match.group(1))):
+                continue
+            with contextlib.suppress(FileNotFoundError, PermissionError):
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+def check_pools_fit(plans: list[HostPoolPlan], *, shared: bool, available: int | None = None) -> None:
+    """Refuse, before any rank allocates, host pools that together exceed the memory available now.
+
+    ``plans`` holds one plan per rank of one machine; a shared pool is one file for all of them (the largest
+    plan's ``total_bytes``), private pools add up (``num_chunks * slot_bytes`` each). Raises HostMemoryError
+    with the numbers.
+    """
+    if not plans:
+        return
+    if shared:
+        needed = max(plan.total_bytes for plan in plans)
+        what = f"one shared pool of {needed} bytes for {len(plans)} ranks"
+    else:
+        sizes = [plan.num_chunks * plan.slot_bytes for plan in plans]
+        needed = sum(sizes)
+        what = f"{len(plans)} ranks x {max(sizes)} bytes" if len(set(sizes)) == 1 else f"ranks of {sizes} bytes"
+    free = available_host_memory_bytes() if available is None else available
+    if needed > free:
+        raise HostMemoryError(
+            f"host pools need {needed} bytes ({what}) but only {free} bytes of host memory are available; "
+            f"lower cpu_bytes_to_use (={plans[0].cpu_bytes_to_use}, the total across all workers)"
+        )
 
 
 def _check_fits(what: str, requested: int, available: int, plan: HostPoolPlan, row_bytes: int) -> None:
