@@ -36,7 +36,8 @@ from .._generated import (
     WorkerReport,
 )
 from ..errors import ConfigError, InvalidStateError
-from ..packed import pack_int32, pack_int64
+from ..packed import Int64Array, pack_int32, pack_int64
+from .integrity import key_tags
 from .keys import chunk_keys, hashes_per_chunk, offload_key_group, offload_key_hash
 from .manager import HostBlockManager, LookupResult
 
@@ -70,6 +71,8 @@ class _Job:
     failed: bool = False
     stale: bool = False
     reported: set[int] = field(default_factory=set)
+    chunk_keys: dict[int, bytes] = field(default_factory=dict)  # loads: chunk id -> key (integrity)
+    corrupt: bool = False
 
 
 @dataclass(slots=True)
@@ -122,6 +125,10 @@ class SchedulerStats:
     store_seconds: float
     cache_usage: float
     jobs_in_flight: int
+    corrupt_loads: int = 0
+    """Load jobs failed because a worker found a host chunk corrupt (integrity); the request recomputes."""
+    corrupted_chunks: int = 0
+    """Keys dropped from the manager because their host chunk did not verify."""
 
 
 def _opt_limit(name: str, value: int | None) -> int | None:
@@ -195,6 +202,8 @@ class OffloadScheduler:
                 "failed_jobs",
                 "bytes_loaded",
                 "bytes_stored",
+                "corrupt_loads",
+                "corrupted_chunks",
             ),
             0,
         )
@@ -419,6 +428,7 @@ class OffloadScheduler:
         req.pinned = []
         chunk_ids = [self.manager.chunk_id(k) for k in keys]
         job = self._new_job(req, is_store=False, keys=keys, num_tokens=num_external_tokens, blocks=())
+        job.chunk_keys = {c: k for c, k in zip(chunk_ids, keys, strict=True) if c is not None}
         for key in keys:
             self._loading[key] = self._loading.get(key, 0) + 1
         req.reused_keys.update(keys)
@@ -430,6 +440,7 @@ class OffloadScheduler:
                 block_indices=pack_int32(block_indices),
                 block_ids=pack_int64(blocks),
                 chunk_ids=pack_int64([c if c is not None else -1 for c in chunk_ids]),
+                chunk_tags=pack_int64(key_tags(keys)),
             )
         )
         # Loaded chunks are already on the host: do not store them again (vLLM's CHUNK_LEVEL policy).
@@ -549,6 +560,7 @@ class OffloadScheduler:
             block_indices=pack_int32(block_indices),
             block_ids=pack_int64(blocks),
             chunk_ids=pack_int64([chunk_of[k] for k in keys]),
+            chunk_tags=pack_int64(key_tags(keys)),
         )
 
     # --------------------------------------------------------------------------------------- completions
@@ -568,6 +580,8 @@ class OffloadScheduler:
                 if job is None or report.rank in job.reported:
                     continue  # unknown, already completed, or a repeated report from the same worker
                 job.reported.add(report.rank)
+                if result.corrupt_chunk_ids and not job.is_store:
+                    self._drop_corrupt(job, Int64Array.from_buffer(result.corrupt_chunk_ids).tolist())
                 self._counters["bytes_stored" if job.is_store else "bytes_loaded"] += result.num_bytes
                 self._seconds["store" if job.is_store else "load"] += result.seconds
                 job.failed = job.failed or not result.success
@@ -576,6 +590,16 @@ class OffloadScheduler:
                     continue
                 self._complete(job, finished, failed_loads, failed_stores)
         return ReportOutcome(tuple(finished), tuple(failed_loads), tuple(failed_stores))
+
+    def _drop_corrupt(self, job: _Job, chunk_ids: list[int]) -> None:
+        """A worker found chunks of this load corrupt: drop their keys so they are never served again."""
+        if not job.corrupt:
+            job.corrupt = True
+            self._counters["corrupt_loads"] += 1
+        if job.stale:
+            return  # reset since: the ids may name chunks of the new generation
+        keys = [job.chunk_keys[c] for c in chunk_ids if c in job.chunk_keys]
+        self._counters["corrupted_chunks"] += len(self.manager.drop(keys))
 
     def fail_jobs(self, job_ids: Iterable[int]) -> ReportOutcome:
         """Fail jobs outright (e.g. a worker died before reporting them): pins released, data never ready."""
@@ -703,6 +727,8 @@ class OffloadScheduler:
             store_seconds=self._seconds["store"],
             cache_usage=self.manager.stats().usage,
             jobs_in_flight=len(self._jobs),
+            corrupt_loads=c["corrupt_loads"],
+            corrupted_chunks=c["corrupted_chunks"],
         )
 
     def take_events(self) -> list[KVEvent]:

@@ -54,6 +54,7 @@ class WorkerCluster:
         start_timeout_s: float = 120.0,
         memcpy_probe_bytes: int = 0,
         torch_threads: int | None = None,
+        checksums: bool = True,
     ) -> None:
         world = snapshot.engine_config.parallel_config.world_size
         self.world_size = world if workers is None else workers
@@ -79,6 +80,7 @@ class WorkerCluster:
                 load_timeout_s=step_timeout_s,
                 memcpy_probe_bytes=memcpy_probe_bytes,
                 torch_threads=threads,
+                checksums=checksums,
             )
             for rank in range(self.world_size)
         ]
