@@ -229,6 +229,11 @@ class HostBlockManager:
         """Return the chunk id holding ``key``, or ``None`` if it is not resident."""
         return self._cid.get(key)
 
+    def is_ready(self, key: bytes) -> bool:
+        """Tell whether ``key`` is stored and readable (ready or pinned), without counting a lookup."""
+        ref = self._ref.get(key)
+        return ref is not None and ref >= 0 and key not in self._dead
+
     def has_pending_work(self) -> bool:
         """Tell whether any store is in flight or any load pin is held.
 
