@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
+import xxhash
 
 from kvoffload.errors import ConfigError, InvalidStateError, TransferError
 from kvoffload.offload.host_pool import HostPool
@@ -58,6 +59,8 @@ IdsLike = Sequence[int] | torch.Tensor
 
 _PIECE_BYTES = 4 << 20
 """On CPU, longer runs are cut into pieces of this size so that the copy threads share the work evenly."""
+
+_xxh3_64 = xxhash.xxh3_64_intdigest
 
 _PARALLEL_MIN_BYTES = 2 << 20
 """On CPU, jobs smaller than this run on the direction's thread alone (waking helpers costs more)."""
@@ -617,14 +620,95 @@ class _Integrity:
     host: memoryview
     checksums: bool
 
-    def seal(self, slots: BlockSlots | None) -> None:
+    def seal(self, slots: BlockSlots | None, sums: list[int] | None = None) -> None:
         if slots is not None and len(slots):
-            self.table.seal(slots, self.host, checksums=self.checksums)
+            self.table.seal(slots, self.host, checksums=self.checksums, sums=sums)
 
-    def verify(self, slots: BlockSlots | None) -> list[int]:
+    def verify(self, slots: BlockSlots | None, sums: list[int] | None = None) -> list[int]:
         if slots is None or not len(slots):
             return []
-        return self.table.verify(slots, self.host, checksums=self.checksums)
+        return self.table.verify(slots, self.host, checksums=self.checksums, sums=sums)
+
+
+@dataclass(frozen=True)
+class _HashedPart:
+    """A share of a checksummed job: slots in host order and the runs that lie in them (absolute pointers)."""
+
+    slots: list[int]  # indices into the job's BlockSlots
+    run_starts: list[int]  # host offsets, relative to the rows
+    run_ends: list[int]
+    dsts: list[int]
+    srcs: list[int]
+    lengths: list[int]
+
+
+def _hashed_parts(
+    runs: CopyRuns, is_store: bool, kv_ptr: int, host_ptr: int, slots: BlockSlots, parts: int
+) -> list[_HashedPart]:
+    """Split a checksummed job into up to ``parts`` shares of about equal bytes, cut only between slots that
+    no run spans (so a share never hashes bytes another share is still writing)."""
+    order = torch.argsort(runs.host_offsets)
+    host_start = runs.host_offsets[order]
+    lengths = runs.lengths[order]
+    starts = host_start.tolist()
+    ends = (host_start + lengths).tolist()
+    abs_host = (host_start + host_ptr).tolist()
+    abs_engine = (runs.engine_offsets[order] + kv_ptr).tolist()
+    dsts, srcs = (abs_host, abs_engine) if is_store else (abs_engine, abs_host)
+    length_list = lengths.tolist()
+    visit = sorted(range(len(slots)), key=slots.host_offsets.__getitem__)
+    total = sum(slots.lengths) or 1
+    out: list[_HashedPart] = []
+    r = 0
+    share: list[int] = []
+    done = 0
+    for position, i in enumerate(visit):
+        share.append(i)
+        done += slots.lengths[i]
+        last = position + 1 == len(visit)
+        if not last and done * parts < total * (len(out) + 1):
+            continue
+        # the share ends here: take every run starting before the next slot, unless one spans into it
+        limit = slots.host_offsets[visit[position + 1]] if not last else None
+        j = r
+        while j < len(starts) and (limit is None or starts[j] < limit):
+            j += 1
+        if limit is not None and j > r and ends[j - 1] > limit:
+            continue  # a run crosses into the next slot: keep growing this share
+        out.append(_HashedPart(share, starts[r:j], ends[r:j], dsts[r:j], srcs[r:j], length_list[r:j]))
+        share, r = [], j
+    if r < len(starts):  # runs beyond every slot (none for a job built by build_copy_runs)
+        out.append(_HashedPart([], starts[r:], ends[r:], dsts[r:], srcs[r:], length_list[r:]))
+    return out
+
+
+def _copy_and_hash(part: _HashedPart, is_store: bool, slots: BlockSlots, host: memoryview, digests: list[int]) -> None:
+    """Copy a share's runs and hash each of its slots while the bytes are in cache (digests by slot index).
+
+    A store hashes a slot right after copying the runs that start before its end; a load hashes a slot first
+    and then copies the runs that end within it, so every byte it hands to the engine was just hashed.
+    """
+    starts, ends, dsts, srcs, lengths = part.run_starts, part.run_ends, part.dsts, part.srcs, part.lengths
+    offsets, sizes = slots.host_offsets, slots.lengths
+    digest = _xxh3_64
+    r, count = 0, len(lengths)
+    for i in part.slots:
+        first = offsets[i]
+        last = first + sizes[i]
+        if is_store:
+            j = r
+            while j < count and starts[j] < last:
+                j += 1
+            _memmove_runs(dsts[r:j], srcs[r:j], lengths[r:j])
+            digests[i] = digest(host[first:last])
+        else:
+            digests[i] = digest(host[first:last])
+            j = r
+            while j < count and ends[j] <= last:
+                j += 1
+            _memmove_runs(dsts[r:j], srcs[r:j], lengths[r:j])
+        r = j
+    _memmove_runs(dsts[r:], srcs[r:], lengths[r:])
 
 
 class _CpuBackend:
@@ -666,12 +750,16 @@ class _CpuBackend:
             job_id, runs, slots = item
             start = time.perf_counter()
             try:
-                self._execute(runs, is_store)
+                sums: list[int] | None = None
+                if integrity.checksums and slots is not None and len(slots) and len(runs):
+                    sums = self._execute_hashed(runs, is_store, slots)
+                else:
+                    self._execute(runs, is_store)
                 if is_store:
-                    integrity.seal(slots)
+                    integrity.seal(slots, sums)
                     bad = []
                 else:
-                    bad = integrity.verify(slots)
+                    bad = integrity.verify(slots, sums)
                 seconds = time.perf_counter() - start
                 if bad:
                     result = _corrupt(job_id, seconds, bad)
@@ -697,6 +785,29 @@ class _CpuBackend:
         for error in errors:
             if error is not None:
                 raise error
+
+    def _execute_hashed(self, runs: CopyRuns, is_store: bool, slots: BlockSlots) -> list[int]:
+        """Copy and hash in shares (helpers copy while another share hashes); the slots' digests."""
+        parallel = self._helpers is not None and runs.num_bytes >= _PARALLEL_MIN_BYTES
+        work = _hashed_parts(
+            runs, is_store, self._kv.data_ptr(), self._host.data_ptr(), slots, self._parts if parallel else 1
+        )
+        digests = [0] * len(slots)
+        host = self._integrity.host
+        futures = (
+            [self._helpers.submit(_copy_and_hash, w, is_store, slots, host, digests) for w in work[1:]]
+            if self._helpers
+            else []
+        )
+        try:
+            if work:
+                _copy_and_hash(work[0], is_store, slots, host, digests)
+        finally:
+            errors = [f.exception() for f in futures]
+        for error in errors:
+            if error is not None:
+                raise error
+        return digests
 
     def poll(self) -> list[TransferResult]:
         with self._cond:

@@ -116,23 +116,31 @@ class IntegrityTable:
         """Mark the entries unusable: a store into them has started."""
         self._meta[slots.entries, _STATE] = INVALID
 
-    def seal(self, slots: BlockSlots, host: memoryview, *, checksums: bool) -> None:
-        """Record the tags (and checksums of the host bytes) of a completed store, then mark them valid."""
+    def seal(self, slots: BlockSlots, host: memoryview, *, checksums: bool, sums: list[int] | None = None) -> None:
+        """Record the tags (and checksums of the host bytes) of a completed store, then mark them valid.
+
+        ``sums`` are the xxh3_64 digests of the slots' bytes when the caller already computed them.
+        """
         meta = self._meta
         idx = slots.entries
         meta[idx, _TAG] = slots.tags
         if checksums:
-            meta[idx, _SUM] = _checksums(host, slots)
+            meta[idx, _SUM] = _checksums(host, slots) if sums is None else _as_int64(sums)
         meta[idx, _STATE] = SEALED if checksums else TAGGED
 
-    def verify(self, slots: BlockSlots, host: memoryview, *, checksums: bool) -> list[int]:
-        """Chunk ids (sorted, unique) of ``slots`` whose entry is missing, has another tag or another checksum."""
+    def verify(
+        self, slots: BlockSlots, host: memoryview, *, checksums: bool, sums: list[int] | None = None
+    ) -> list[int]:
+        """Chunk ids (sorted, unique) of ``slots`` whose entry is missing, has another tag or another checksum.
+
+        ``sums`` are the xxh3_64 digests of the slots' bytes when the caller already computed them.
+        """
         if not len(slots):
             return []
         rows = self._meta[slots.entries]
         ok = (rows[:, _STATE] >= (SEALED if checksums else TAGGED)) & (rows[:, _TAG] == slots.tags)
         if checksums:
-            ok &= rows[:, _SUM] == _checksums(host, slots)
+            ok &= rows[:, _SUM] == (_checksums(host, slots) if sums is None else _as_int64(sums))
         if bool(ok.all()):
             return []
         return sorted({int(c) for c in slots.chunk_ids[~ok]})
@@ -140,5 +148,8 @@ class IntegrityTable:
 
 def _checksums(host: memoryview, slots: BlockSlots) -> np.ndarray:
     """xxh3_64 of each host byte range, as int64."""
-    sums = [_hash(host[o : o + n]) for o, n in zip(slots.host_offsets, slots.lengths, strict=True)]
-    return np.array(sums, dtype=np.uint64).view(np.int64)
+    return _as_int64([_hash(host[o : o + n]) for o, n in zip(slots.host_offsets, slots.lengths, strict=True)])
+
+
+def _as_int64(digests: list[int]) -> np.ndarray:
+    return np.array(digests, dtype=np.uint64).view(np.int64)
