@@ -155,10 +155,7 @@ def main() -> None:
         for direction, ours, bare, base in bench_page(page, args, device):
             # extra seconds of the checksummed job over the unchecked one, per second of plain copy
             cost = (1 / ours - 1 / bare) * base
-            print(
-                f"{text:>8} {direction:>9} {ours:10.2f} {bare:14.2f} {base:11.2f} {ours / base:6.2f} "
-                f"{cost:13.0%}"
-            )
+            print(f"{text:>8} {direction:>9} {ours:10.2f} {bare:14.2f} {base:11.2f} {ours / base:6.2f} {cost:13.0%}")
 
 
 if __name__ == "__main__":

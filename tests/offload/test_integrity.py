@@ -280,3 +280,44 @@ def test_key_tag_is_stable_signed_and_never_zero() -> None:
     assert all(-(1 << 63) <= t < (1 << 63) and t != 0 for t in tags)
     assert len(set(tags)) == 256
     assert key_tag(b"abc") == key_tag(b"abc") != key_tag(b"abd")
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_big_jobs_hashed_in_shares_verify_every_slot(threads: int, layers: int) -> None:
+    # 24 blocks x 64 KiB pages: the copy helpers share the job. With one layer a copy run spans both
+    # sub-blocks of a chunk, so shares may only be cut between chunks.
+    page, blocks = 64 << 10, 24
+    names = ("a", "b")[:layers]
+    layout = build_transfer_layout(
+        [Placement(size=layers * blocks * page, layers=names, layer_stride=blocks * page, block_stride=page)],
+        [[(name, page) for name in names]],
+        num_blocks=blocks,
+        worker_kv_bytes_per_block=layers * page,
+    )
+    plan = plan_host_pool(
+        worker_kv_bytes_per_block=layers * page,
+        world_size=1,
+        blocks_per_chunk=2,
+        cpu_bytes_to_use=16 * 2 * layers * page,
+        replicated=False,
+        rank=0,
+    )
+    gen = torch.Generator().manual_seed(9)
+    kv = torch.randint(0, 256, (layers * blocks * page,), dtype=torch.uint8, generator=gen)
+    original = kv.clone()
+    with HostPool(plan) as pool, CopyEngine(kv, layout, pool, cpu_threads=threads) as mover:
+        chunks = [15, 3, 4, 5, 9, 0, 1, 2, 6, 7, 8, 10]
+        tags = [key_tag(bytes([c])) for c in chunks]
+        job = {"group_sizes": [blocks], "block_indices": [0], "chunk_ids": chunks, "chunk_tags": tags}
+        assert _run(mover, 1, store=True, block_ids=list(range(blocks)), **job).success
+        kv.zero_()
+        back = list(range(blocks - 1, -1, -1))
+        assert _run(mover, 2, store=False, block_ids=back, **job).success
+        for i, b in enumerate(back):
+            for layer in range(layers):
+                got = kv[layer * blocks * page + b * page :][:page]
+                assert torch.equal(got, original[layer * blocks * page + i * page :][:page])
+        pool.rows[9, layers * page + 5] ^= 1  # sub-block 1 of chunk 9
+        pool.rows[2, 7] ^= 1
+        assert _run(mover, 3, store=False, block_ids=back, **job).corrupt_chunk_ids == (2, 9)

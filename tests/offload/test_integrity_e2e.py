@@ -132,9 +132,9 @@ def test_wrong_chunk_for_a_key_fails_even_without_checksums(rig: Rig) -> None:
     c1, c2 = sched.manager.chunk_id(keys[1]), sched.manager.chunk_id(keys[2])
     assert c1 is not None and c2 is not None
     rig.pool.rows[[c1, c2]] = rig.pool.rows[[c2, c1]].clone()  # the bytes of two keys are swapped
-    rig.pool.integrity.storage.view(rig.pool.num_chunks, -1)[[c1, c2]] = (
-        rig.pool.integrity.storage.view(rig.pool.num_chunks, -1)[[c2, c1]].clone()
-    )  # metadata travels with them: checksums match, key tags do not
+    rig.pool.integrity.storage.view(rig.pool.num_chunks, -1)[[c1, c2]] = rig.pool.integrity.storage.view(
+        rig.pool.num_chunks, -1
+    )[[c2, c1]].clone()  # metadata travels with them: checksums match, key tags do not
     sched.add_request("B", rig.hashes, len(TOKENS))
     hit = sched.lookup("B", num_computed_tokens=0)
     sched.on_blocks_allocated("B", [list(range(20, 28))], num_external_tokens=hit or 0)

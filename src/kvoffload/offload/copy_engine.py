@@ -1002,7 +1002,8 @@ class CopyEngine:
         host_flat = rows.reshape(-1)
         self._kv_bytes = kv_flat.numel()
         self._host_bytes = host_flat.numel()
-        integrity = _Integrity(self._table, memoryview(host_flat.numpy()), checksums)
+        host_bytes: memoryview = memoryview(host_flat.numpy())  # type: ignore[arg-type]  # numpy is a buffer
+        integrity = _Integrity(self._table, host_bytes, checksums)
         self._backend: _CpuBackend | _CudaBackend
         if kv_flat.is_cuda:
             self._backend = _CudaBackend(kv_flat, host_flat, integrity)

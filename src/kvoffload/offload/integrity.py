@@ -106,11 +106,13 @@ class IntegrityTable:
 
     def entry_index(self, chunk_ids: np.ndarray, sub_blocks: np.ndarray) -> np.ndarray:
         """Table entries of this rank's ``sub_blocks`` of ``chunk_ids``."""
-        return (chunk_ids * self.slots + self.slot) * self.blocks_per_chunk + sub_blocks
+        entries: np.ndarray = (chunk_ids * self.slots + self.slot) * self.blocks_per_chunk + sub_blocks
+        return entries
 
     def states(self, slots: BlockSlots) -> np.ndarray:
         """Current state of each entry of ``slots``."""
-        return self._meta[slots.entries, _STATE].copy()
+        states: np.ndarray = self._meta[slots.entries, _STATE].copy()
+        return states
 
     def invalidate(self, slots: BlockSlots) -> None:
         """Mark the entries unusable: a store into them has started."""
@@ -152,4 +154,5 @@ def _checksums(host: memoryview, slots: BlockSlots) -> np.ndarray:
 
 
 def _as_int64(digests: list[int]) -> np.ndarray:
-    return np.array(digests, dtype=np.uint64).view(np.int64)
+    values: np.ndarray = np.array(digests, dtype=np.uint64).view(np.int64)
+    return values
