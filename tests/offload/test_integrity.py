@@ -321,3 +321,37 @@ def test_big_jobs_hashed_in_shares_verify_every_slot(threads: int, layers: int) 
         pool.rows[9, layers * page + 5] ^= 1  # sub-block 1 of chunk 9
         pool.rows[2, 7] ^= 1
         assert _run(mover, 3, store=False, block_ids=back, **job).corrupt_chunk_ids == (2, 9)
+
+
+def test_a_store_invalidates_its_entries_until_its_copy_completes(
+    private: tuple[CopyEngine, HostPool, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from kvoffload.offload import copy_engine
+
+    mover, pool, _ = private
+    tag = [key_tag(b"k")]
+    assert _run(mover, 1, store=True, block_ids=[1], chunk_ids=[4], chunk_tags=tag).success
+    job = {"group_sizes": [1, 0], "block_indices": [0, 0], "block_ids": [2], "chunk_ids": [4], "chunk_tags": tag}
+    where = {k: v for k, v in job.items() if k != "block_ids"}
+    slots = copy_engine.build_block_slots(
+        _layout(), pool.integrity, blocks_per_chunk=1, host_row_bytes=pool.row_bytes, **where
+    )
+    assert pool.integrity.states(slots).tolist() == [SEALED]
+    release, started = threading.Event(), threading.Event()
+    real = copy_engine._memmove_runs
+
+    def held(*args: list[int]) -> None:
+        started.set()
+        release.wait(10)
+        real(*args)
+
+    monkeypatch.setattr(copy_engine, "_memmove_runs", held)
+    mover.submit_store(2, **job)  # type: ignore[arg-type]
+    assert started.wait(10)
+    assert pool.integrity.states(slots).tolist() == [0]  # a load now would fail: the bytes are changing
+    release.set()
+    mover.wait([2], timeout=10)
+    assert [r.success for r in mover.poll()] == [True]
+    assert pool.integrity.states(slots).tolist() == [SEALED]

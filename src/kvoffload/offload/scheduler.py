@@ -18,6 +18,10 @@ written or loaded; only prompt tokens are stored by default (``offload_prompt_on
 every one of ``world_size`` workers has reported it; a failed job never marks data ready and releases its
 pins. One deliberate difference: chunks found by ``lookup`` are pinned right away (vLLM pins when blocks are
 allocated), so a store planned between lookup and allocation can never evict them.
+
+Integrity: every job carries the key tag of each chunk (``TransferJob.chunk_tags``); a load that a worker
+reports with ``corrupt_chunk_ids`` fails (the request recomputes) and those chunks are dropped from the
+manager, so they are never served again (``SchedulerStats.corrupt_loads`` / ``corrupted_chunks``).
 """
 
 from __future__ import annotations
