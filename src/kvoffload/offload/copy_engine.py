@@ -11,6 +11,8 @@ Three layers, each usable on its own:
   holds engine block ``j`` of the chunk and a partly covered first chunk is entered at ``block_index % bpc``.
 * :class:`CopyEngine` executes jobs in submission order per direction and reports
   :class:`TransferResult` s: on CPU with one thread per direction, on CUDA with one stream per direction.
+* :func:`build_block_slots` names the sub-blocks a job touches (same index math as the runs) so that stores
+  seal and loads verify them in the pool's integrity table (:mod:`kvoffload.offload.integrity`).
 """
 
 from __future__ import annotations

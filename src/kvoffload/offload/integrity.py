@@ -31,6 +31,7 @@ __all__ = [
     "IntegrityTable",
     "key_tag",
     "key_tags",
+    "table_bytes",
     "table_entries",
 ]
 
