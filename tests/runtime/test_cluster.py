@@ -80,9 +80,11 @@ def test_store_load_round_trip_is_verified_and_corruption_is_caught() -> None:
         # Expecting other contents than what was stored must be reported as a mismatch.
         r = cluster.step(plan(3, loads=[transfer_job(2, [8], [5])]), attachments(verify=[2, 0, 8, 43]))
         assert verified(r) == [[1, 1, 8], [1, 1, 8]]
-        # A load from a chunk nobody stored yields different bytes, too.
+        # A load from a chunk nobody stored fails its integrity check on every worker (nothing to verify).
         r = cluster.step(plan(4, loads=[transfer_job(3, [9], [6])]), attachments(verify=[3, 0, 9, 42]))
-        assert verified(r) == [[1, 1, 9], [1, 1, 9]]
+        assert verified(r) == [[0, 0], [0, 0]]
+        failed = {(res.job_id, res.success, res.corrupt_chunk_ids) for rep in r.reports for res in rep.results}
+        assert failed == {(3, False, pack_int64([6]))}
         # A job with an out-of-range chunk id fails instead of crashing the worker.
         r = cluster.step(plan(5, loads=[transfer_job(4, [9], [10_000])]), attachments())
         assert {(res.job_id, res.success) for rep in r.reports for res in rep.results} == {(4, False)}

@@ -14,7 +14,7 @@ from kvoffload.packed import Int32Bytes, Int64Bytes
 
 SCHEMA_NAME: Final = "kvoffload"
 SCHEMA_VERSION: Final = "1.3"
-SCHEMA_FINGERPRINT: Final = "bc7234555044dfa3"
+SCHEMA_FINGERPRINT: Final = "ccc2fc241a0ace1f"
 
 
 class DType(enum.StrEnum):
@@ -828,6 +828,9 @@ class TransferJob(
     sync: bool = False
     """A synchronous load the step waits for."""
 
+    chunk_tags: Int64Bytes = Int64Bytes(b"")
+    """Per chunk id: a 64-bit hash of the offload key it holds (empty: no tags). (since 1.3)"""
+
 
 class StepPlan(
     msgspec.Struct,
@@ -882,6 +885,12 @@ class JobResult(
 
     seconds: Annotated[float, msgspec.Meta(ge=0.0)]
     """Transfer time."""
+
+    error: str = ""
+    """Why the job failed (empty on success). (since 1.3)"""
+
+    corrupt_chunk_ids: Int64Bytes = Int64Bytes(b"")
+    """Chunks whose key tag or checksum did not verify on load. (since 1.3)"""
 
 
 class WorkerReport(

@@ -96,6 +96,8 @@ class ManagerStats:
     stored: int
     evicted: int
     load_pins: int
+    dropped: int = 0
+    """Keys dropped because their chunk was found corrupt (:meth:`HostBlockManager.drop`), since construction."""
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -122,6 +124,8 @@ class HostBlockManager:
         "_alloc_sizes",
         "_cid",
         "_counts",
+        "_dead",
+        "_dropped_total",
         "_events",
         "_evictable",
         "_evicted_total",
@@ -178,6 +182,8 @@ class HostBlockManager:
         self._stored_total = 0
         self._evicted_total = 0
         self._load_pins = 0
+        self._dead: set[bytes] = set()  # pinned keys dropped as corrupt: freed at their last unpin
+        self._dropped_total = 0
 
     # ------------------------------------------------------------------ introspection
 
@@ -223,6 +229,11 @@ class HostBlockManager:
         """Return the chunk id holding ``key``, or ``None`` if it is not resident."""
         return self._cid.get(key)
 
+    def is_ready(self, key: bytes) -> bool:
+        """Tell whether ``key`` is stored and readable (ready or pinned), without counting a lookup."""
+        ref = self._ref.get(key)
+        return ref is not None and ref >= 0 and key not in self._dead
+
     def has_pending_work(self) -> bool:
         """Tell whether any store is in flight or any load pin is held.
 
@@ -240,7 +251,7 @@ class HostBlockManager:
         lookups, count towards ``store_threshold`` (as in vLLM 0.33.0).
         """
         ref = self._ref.get(key)
-        if ref is None:
+        if ref is None or (self._dead and key in self._dead):
             self._misses += 1
             return _MISS
         self._hits += 1
@@ -256,10 +267,10 @@ class HostBlockManager:
         first_pins: list[bytes] = []
         for i, key in enumerate(keys):
             count = ref.get(key)
-            if count is None or count < 0:
+            if count is None or count < 0 or key in self._dead:
                 for done in keys[:i]:
                     ref[done] -= 1
-                state = "not stored" if count is None else "not ready (its store is in flight)"
+                state = "not stored" if count is None or count > 0 else "not ready (its store is in flight)"
                 raise InvalidStateError(f"cannot load key {key!r}: {state}")
             if count == 0:
                 first_pins.append(key)
@@ -289,6 +300,13 @@ class HostBlockManager:
             ref[key] = count
             if count == 0:
                 released.append(key)
+        if released and self._dead:
+            dead = [key for key in released if key in self._dead]
+            if dead:
+                released = [key for key in released if key not in self._dead]
+                self._dead.difference_update(dead)
+                for key in dead:
+                    self._free_key(key)
         if released:
             self._evictable += len(released)
             self._policy.mark_evictable_many(released)
@@ -435,6 +453,36 @@ class HostBlockManager:
         if changed and self._events is not None:
             self._events.append(OffloadEvent(tuple(changed), not success, metadata_only=not success))
 
+    def _free_key(self, key: bytes) -> None:
+        """Forget a resident key and free its chunk (no event, no counters)."""
+        del self._ref[key]
+        self._policy.remove(key)
+        self._free.append(self._cid.pop(key))
+
+    def drop(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Remove stored keys whose chunks were found corrupt, so they are never served again.
+
+        A ready, unpinned key is freed now; a key pinned by loads turns dead at once (lookups MISS,
+        ``prepare_load`` refuses it, offers skip it) and its chunk is freed when its last pin is released.
+        Absent and pending keys are ignored. Returns the keys dropped, announced in one removal event.
+        """
+        ref = self._ref
+        dropped: list[bytes] = []
+        for key in dict.fromkeys(keys):
+            count = ref.get(key)
+            if count is None or count < 0 or key in self._dead:
+                continue
+            if count == 0:
+                self._evictable -= 1
+                self._free_key(key)
+            else:
+                self._dead.add(key)
+            dropped.append(key)
+        self._dropped_total += len(dropped)
+        if dropped and self._events is not None:
+            self._events.append(OffloadEvent(tuple(dropped), True))
+        return dropped
+
     # ------------------------------------------------------------------ request lifecycle and events
 
     def on_request_finished(
@@ -489,6 +537,7 @@ class HostBlockManager:
         self._evictable = 0
         self._write_pending = 0
         self._store_misses.clear()
+        self._dead.clear()
 
     def stats(self) -> ManagerStats:
         """Return usage gauges and counters; allocation sizes and skipped stores restart from zero."""
@@ -516,4 +565,5 @@ class HostBlockManager:
             stored=self._stored_total,
             evicted=self._evicted_total,
             load_pins=self._load_pins,
+            dropped=self._dropped_total,
         )

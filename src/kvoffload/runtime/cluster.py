@@ -109,6 +109,7 @@ class WorkerCluster:
         worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S,
         memcpy_probe_bytes: int = 0,
         torch_threads: int | None = None,
+        checksums: bool = True,
     ) -> None:
         for name, value in (
             ("step_timeout_s", step_timeout_s),
@@ -145,6 +146,7 @@ class WorkerCluster:
                 memcpy_probe_bytes=memcpy_probe_bytes,
                 torch_threads=threads,
                 heartbeat_interval_s=min(2.0, max(0.01, self.worker_timeout_s / 5)),
+                checksums=checksums,
             )
             for rank in range(self.world_size)
         ]

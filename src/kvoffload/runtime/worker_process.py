@@ -72,6 +72,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     memcpy_probe_bytes: int = 0
     torch_threads: int = 1
     heartbeat_interval_s: float = 1.0
+    checksums: bool = True
+    """Content checksums of host chunks (integrity); key tags are verified either way."""
 
 
 def rank_config(snapshot: EngineSnapshot, rank: int) -> tuple[EngineSnapshot, OffloadingConfig]:
@@ -150,7 +152,7 @@ def _open_session(spec: WorkerSpec) -> _Session:
     kv = torch.zeros(layout.engine_bytes, dtype=torch.uint8)
     pool = HostPool(plan_host_pool_from_config(config), engine_id=spec.shared_pool_id)
     try:
-        engine = CopyEngine(kv, layout, pool, cpu_threads=spec.torch_threads)
+        engine = CopyEngine(kv, layout, pool, cpu_threads=spec.torch_threads, checksums=spec.checksums)
     except BaseException:
         pool.close()
         raise
