@@ -152,3 +152,19 @@ def test_parse_connector_config_is_strict() -> None:
         parse_connector_config({"cpu_bytes_to_use": 1, "cache_policy_module_path": "x.y"})
     with pytest.raises(ConfigError, match="TieringOffloadingSpec"):
         parse_connector_config({"cpu_bytes_to_use": 1, "spec_name": "TieringOffloadingSpec"})
+
+
+def test_vllm_offline_example_runs() -> None:
+    env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "vllm_offline.py")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    served = [int(line.rsplit(": ", 1)[1]) for line in proc.stdout.splitlines() if "served from cache" in line]
+    assert len(served) == 2 and all(n > 0 for n in served), proc.stdout
+    assert "0 failed" in proc.stdout

@@ -14,7 +14,7 @@ from kvoffload.packed import Int32Bytes, Int64Bytes
 
 SCHEMA_NAME: Final = "kvoffload"
 SCHEMA_VERSION: Final = "1.3"
-SCHEMA_FINGERPRINT: Final = "ccc2fc241a0ace1f"
+SCHEMA_FINGERPRINT: Final = "9aa28ead998e9632"
 
 
 class DType(enum.StrEnum):
@@ -1100,6 +1100,9 @@ class VLLMConnectorConfig(
 
     load_mode: LoadMode = LoadMode.ASYNC
     """Load host hits between steps (async) or inside the step that needs them (sync)."""
+
+    checksums: bool = True
+    """Verify an xxh3 checksum of every loaded chunk (key tags are verified either way)."""
 
 
 KVCacheSpec: TypeAlias = (

@@ -496,6 +496,7 @@ class _WorkerHalf:
     kv_cache_config: KVCacheConfig
     sync_loads: bool
     multi_group: bool
+    checksums: bool
     worker: OffloadWorker | None = None
     pool: HostPool | None = None
     plan: StepPlan | None = None
@@ -521,7 +522,8 @@ class _WorkerHalf:
                         f"the KVCacheConfig places it at {layer.engine_offset}"
                     )
         self.pool = HostPool(plan_host_pool_from_config(self.config))
-        self.worker = OffloadWorker(CopyEngine(flat, layout, self.pool), rank=self.config.parallel.rank)
+        engine = CopyEngine(flat, layout, self.pool, checksums=self.checksums)
+        self.worker = OffloadWorker(engine, rank=self.config.parallel.rank)
 
     def _worker(self) -> OffloadWorker:
         if self.worker is None:
@@ -650,6 +652,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 self.snapshot.kv_cache_config,
                 sync_loads=options.load_mode is LoadMode.SYNC,
                 multi_group=len(kv_cache_config.kv_cache_groups) > 1,
+                checksums=options.checksums,
             )
 
     @property
