@@ -168,3 +168,24 @@ def test_vllm_offline_example_runs() -> None:
     served = [int(line.rsplit(": ", 1)[1]) for line in proc.stdout.splitlines() if "served from cache" in line]
     assert len(served) == 2 and all(n > 0 for n in served), proc.stdout
     assert "0 failed" in proc.stdout
+
+
+def test_connector_stats_report_interval_increases() -> None:
+    from kvoffload import hash_token_blocks
+    from kvoffload.integrations.vllm import KVOffloadConnectorStats, _SchedulerHalf, parse_connector_config
+    from tests.helpers import offloading_config
+
+    config = offloading_config(extra_config={"cpu_bytes_to_use": 1 << 20})
+    half = _SchedulerHalf(config, parse_connector_config({"cpu_bytes_to_use": 1 << 20}))
+    assert half.interval_stats().is_empty()
+    hashes = hash_token_blocks(list(range(64)), 16)
+    half.scheduler.add_request("r#0", hashes, 64)
+    assert half.scheduler.lookup("r#0", 0) == 0
+    first = half.interval_stats()
+    assert first.data == {"lookup_misses": 1}
+    assert half.interval_stats().is_empty(), "a second report repeats the interval's counts"
+    half.scheduler.add_request("s#1", hashes, 64)
+    half.scheduler.lookup("s#1", 0)
+    total = first.aggregate(half.interval_stats())
+    assert isinstance(total, KVOffloadConnectorStats)
+    assert total.reduce() == {"kvoffload_lookup_misses": 2}

@@ -23,6 +23,7 @@ This is the only kvoffload module that imports vllm; it needs the ``vllm`` extra
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import logging
@@ -44,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from .. import wire
 from .._generated import (
@@ -85,6 +87,7 @@ if TYPE_CHECKING:
 __all__ = [
     "KVOffloadConnector",
     "KVOffloadConnectorMetadata",
+    "KVOffloadConnectorStats",
     "KVOffloadWorkerMetadata",
     "parse_connector_config",
     "snapshot_from_vllm",
@@ -293,6 +296,45 @@ class KVOffloadWorkerMetadata(KVConnectorWorkerMetadata):
         return KVOffloadWorkerMetadata(self.reports + other.reports)
 
 
+@dataclass
+class KVOffloadConnectorStats(KVConnectorStats):
+    """kvoffload's counters over one interval, in vLLM's connector stats (its "KV Transfer metrics" log line).
+
+    ``data`` maps counter names (:class:`~kvoffload.SchedulerStats` fields) to the increase since the last
+    report; aggregation adds them.
+    """
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merged = dict(self.data)
+        for name, value in other.data.items():
+            merged[name] = merged.get(name, 0) + value
+        return KVOffloadConnectorStats(data=merged)
+
+    def reduce(self) -> dict[str, int | float]:
+        return {f"kvoffload_{name}": value for name, value in sorted(self.data.items())}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+_INTERVAL_COUNTERS = (
+    "lookup_hits",
+    "lookup_misses",
+    "tokens_loaded",
+    "tokens_stored",
+    "bytes_loaded",
+    "bytes_stored",
+    "load_seconds",
+    "store_seconds",
+    "failed_jobs",
+    "corrupt_loads",
+    "allocation_failures",
+)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Scheduler half
 # ------------------------------------------------------------------------------------------------------------
@@ -328,6 +370,7 @@ class _SchedulerHalf:
         self._live: dict[str, Request] = {}  # every unfinished request vLLM told us about
         self._tracked: dict[str, _Tracked] = {}  # those registered with the scheduler (not while preempted)
         self._generation = itertools.count()
+        self._reported: dict[str, float] = dict.fromkeys(_INTERVAL_COUNTERS, 0)
         logger.info(
             "kvoffload: host pool of %d chunks x %d bytes (%d GPU blocks per chunk, %s, %s loads)",
             pool.num_chunks,
@@ -447,6 +490,17 @@ class _SchedulerHalf:
         if isinstance(meta, KVOffloadWorkerMetadata) and meta.reports:
             reports = [wire.decode([frame]).expect(WorkerReport) for frame in meta.reports]
             self.scheduler.on_worker_reports(reports)
+
+    def interval_stats(self) -> KVOffloadConnectorStats:
+        """Counter increases since the previous call (what vLLM aggregates and logs)."""
+        now = dataclasses.asdict(self.scheduler.stats())
+        delta: dict[str, Any] = {}
+        for name in _INTERVAL_COUNTERS:
+            value = now[name]
+            if value != self._reported[name]:
+                delta[name] = value - self._reported[name]
+                self._reported[name] = value
+        return KVOffloadConnectorStats(data=delta)
 
     def events(self) -> list[KVCacheEvent]:
         converted: list[KVCacheEvent] = []
@@ -704,6 +758,14 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._sched().events()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # vLLM asks both halves; the scheduler half sees every worker's report, so it alone answers.
+        return self._scheduler.interval_stats() if self._scheduler is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVOffloadConnectorStats(data=dict(data or {}))
 
     def reset_cache(self) -> bool:
         self._sched().scheduler.reset()
