@@ -189,3 +189,12 @@ def test_connector_stats_report_interval_increases() -> None:
     total = first.aggregate(half.interval_stats())
     assert isinstance(total, KVOffloadConnectorStats)
     assert total.reduce() == {"kvoffload_lookup_misses": 2}
+
+
+def test_preempted_requests_decode_the_same_tokens(
+    baseline: dict[str, Any], connector_run: tuple[dict[str, Any], Path]
+) -> None:
+    run, _ = connector_run
+    assert run["preemptions"] > 0, "the workload did not make vLLM preempt a request"
+    assert run["decode_tokens"] == baseline["decode_tokens"]
+    assert run["after_decode"]["failed_jobs"] == run["after_evict"]["failed_jobs"]

@@ -60,6 +60,11 @@ def prompts() -> list[str]:
     return [f"{SYSTEM}{q}" for q in QUESTIONS]
 
 
+def long_decodes() -> list[str]:
+    """Four requests decoding at once whose KV outgrows the engine's 64 blocks: vLLM preempts some."""
+    return [f"{SYSTEM[: 40 * (i + 1)]} long answer {i}" for i in range(4)]
+
+
 def fillers(count: int) -> list[str]:
     """Prompts with other prefixes, enough to push the shared prefix out of the engine's small KV pool."""
     out = []
@@ -69,10 +74,11 @@ def fillers(count: int) -> list[str]:
     return out
 
 
-def generate(llm: Any, batch: list[str]) -> tuple[list[list[int]], list[int]]:
+def generate(llm: Any, batch: list[str], max_tokens: int = 12) -> tuple[list[list[int]], list[int]]:
     from vllm import SamplingParams
 
-    outs = llm.generate(batch, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(batch, params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], [int(o.num_cached_tokens or 0) for o in outs]
 
 
@@ -100,7 +106,8 @@ def baseline(model: str, out: Path) -> dict[str, Any]:
     llm = LLM(model=model, distributed_executor_backend="uni", **ENGINE_KW)
     tokens, cached = one_by_one(llm, prompts())
     filler_tokens, _ = generate(llm, fillers(2))
-    return {"tokens": tokens, "cached": cached, "filler_tokens": filler_tokens}
+    decode_tokens, _ = generate(llm, long_decodes(), max_tokens=600)
+    return {"tokens": tokens, "cached": cached, "filler_tokens": filler_tokens, "decode_tokens": decode_tokens}
 
 
 def connector(model: str, out: Path, load_mode: str) -> dict[str, Any]:
@@ -131,13 +138,20 @@ def connector(model: str, out: Path, load_mode: str) -> dict[str, Any]:
     result["evicted_tokens"], result["evicted_cached"] = one_by_one(llm, prompts()[:1])
     result["after_evict"] = stats_dict(llm)
 
-    # 3. The live engine dumped as a snapshot, and the plan the connector runs with.
+    # 3. Requests that outgrow the engine's blocks while decoding: vLLM preempts (and later resumes) them.
+    connector_half = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+    before = connector_half.preemptions
+    result["decode_tokens"], _ = generate(llm, long_decodes(), max_tokens=600)
+    result["preemptions"] = connector_half.preemptions - before
+    result["after_decode"] = stats_dict(llm)
+
+    # 4. The live engine dumped as a snapshot, and the plan the connector runs with.
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     snapshot = snapshot_from_vllm(llm.llm_engine.vllm_config, scheduler.kv_cache_config)
     (out / "snapshot.json").write_bytes(msgspec.json.encode(snapshot))
     (out / "connector_config.json").write_bytes(codecs.encode_json(scheduler.connector.offloading_config))
 
-    # 4. Corrupt every host chunk (one byte each, in the float's exponent): loads must fail and recompute.
+    # 5. Corrupt every host chunk (one byte each, in the float's exponent): loads must fail and recompute.
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker_connector = get_kv_transfer_group()  # the worker half lives in this process (uni executor)

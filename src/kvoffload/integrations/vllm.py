@@ -41,11 +41,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+try:  # request-level receive failures (vLLM 0.32); releases without them only call get_finished
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - depends on the installed vLLM
+    KVConnectorTransferResults = None
 
 from .. import wire
 from .._generated import (
@@ -371,6 +375,7 @@ class _SchedulerHalf:
         self._tracked: dict[str, _Tracked] = {}  # those registered with the scheduler (not while preempted)
         self._generation = itertools.count()
         self._reported: dict[str, float] = dict.fromkeys(_INTERVAL_COUNTERS, 0)
+        self.preemptions = 0
         logger.info(
             "kvoffload: host pool of %d chunks x %d bytes (%d GPU blocks per chunk, %s, %s loads)",
             pool.num_chunks,
@@ -476,6 +481,7 @@ class _SchedulerHalf:
         if tracked is None:
             return
         if preempted:
+            self.preemptions += 1
             # Its blocks are gone: in-flight stores are flushed; it is tracked afresh when rescheduled.
             self.scheduler.abort_request(tracked.sid)
         else:
@@ -543,6 +549,14 @@ def _limit(params: Mapping[str, object], key: str) -> int | None:
 
 
 @dataclass
+class _Completions:
+    """Requests whose asynchronous loads finished on this worker in this step, and those that failed."""
+
+    finished: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+
+
+@dataclass
 class _WorkerHalf:
     """Applies StepPlans to this worker's KV tensors; collects reports, finished async loads and failed blocks."""
 
@@ -605,8 +619,8 @@ class _WorkerHalf:
         if self.plan is not None:
             self._worker().end_step(self.plan)
 
-    def collect(self) -> KVConnectorTransferResults:
-        results = KVConnectorTransferResults()
+    def collect(self) -> _Completions:
+        results = _Completions()
         if self.worker is None or self.plan is None:
             return results
         report = self.worker.report(self.plan.step)
@@ -623,11 +637,11 @@ class _WorkerHalf:
                 # vLLM maps failed block ids back to requests only for single-group models; hybrid models
                 # report the request instead (asynchronous loads only, enforced at start).
                 if self.multi_group:
-                    results.failed_recving.add(_vllm_request_id(req_id))
+                    results.failed.add(_vllm_request_id(req_id))
                 else:
                     self.failed_blocks.update(blocks)
             if not self.sync_loads:
-                results.finished_recving.add(_vllm_request_id(req_id))
+                results.finished.add(_vllm_request_id(req_id))
         return results
 
     def take_failed_blocks(self) -> set[int]:
@@ -796,11 +810,12 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().end()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        return self._work().collect()
+        done = self._work().collect()
+        return KVConnectorTransferResults(finished_recving=done.finished, failed_recving=done.failed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        results = self._work().collect()
-        return None, results.finished_recving or None
+        # Older vLLM releases call this instead of get_transfer_results (no request-level failures there).
+        return None, self._work().collect().finished or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_failed_blocks()
