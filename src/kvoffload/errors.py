@@ -12,6 +12,8 @@ best describes it, so callers can catch either the library-wide base or the buil
     ├── InvalidStateError(RuntimeError)        an API was called out of order (e.g. loading a key not ready)
     ├── TransferError(RuntimeError)            a copy between engine memory and the host pool failed
     ├── WorkerError(RuntimeError)              a worker process died, timed out or refused the handshake
+    ├── TierError(OSError)                     a secondary tier (disk, Valkey) failed an operation or is down
+    │   └── RecordError                        a tier record is malformed: bad magic, version, key, length, checksum
     └── VerificationError(RuntimeError)        reloaded KV bytes differ from what was stored (demo/checks)
 
 Validation never uses ``assert``: every check raises one of these with a message that names the offending
@@ -26,7 +28,9 @@ __all__ = [
     "InvalidStateError",
     "KVOffloadError",
     "OffloadingConfigError",
+    "RecordError",
     "SchemaMismatchError",
+    "TierError",
     "TransferError",
     "VerificationError",
     "WireError",
@@ -81,6 +85,14 @@ class TransferError(KVOffloadError, RuntimeError):
 
 class WorkerError(KVOffloadError, RuntimeError):
     """A worker process died, timed out or refused the handshake."""
+
+
+class TierError(KVOffloadError, OSError):
+    """A secondary tier failed an operation (IO error, disk full, server down); the tier turns unavailable."""
+
+
+class RecordError(TierError):
+    """A tier record failed verification (magic, format version, key, length or checksum): treated as a miss."""
 
 
 class VerificationError(KVOffloadError, RuntimeError):
