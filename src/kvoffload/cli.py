@@ -114,6 +114,12 @@ def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--snapshot", default=None, help="engine snapshot JSON/TOML instead of the embedded Llama-style one")
     p.add_argument("--shared-pool", action="store_true", help="map one shared-memory host pool for all ranks")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument(
+        "--tier",
+        action="append",
+        default=[],
+        help="secondary tier below the host pool, repeatable: disk:PATH, valkey (embedded server), valkey://host:port",
+    )
     p.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
     p.set_defaults(handler=_run_demo)
 
@@ -134,8 +140,18 @@ def _run_demo(args: argparse.Namespace) -> int:
         if args.workers is not None and args.workers != world:
             raise ConfigError(f"--workers={args.workers} differs from the snapshot's world_size={world}")
     snapshot = snapshot_with_overrides(snapshot, cpu_bytes=args.cpu_bytes, policy=args.policy)
+    tiering = None
+    if args.tier:
+        from ._generated import TieringConfig
+        from .tiers.config import tier_from_cli
+
+        tiering = TieringConfig(secondary_tiers=tuple(tier_from_cli(t) for t in args.tier))
     options = DemoOptions(
-        requests=args.requests, conversations=args.conversations, seed=args.seed, shared_pool=args.shared_pool
+        requests=args.requests,
+        conversations=args.conversations,
+        seed=args.seed,
+        shared_pool=args.shared_pool,
+        tiering=tiering,
     )
     result = run_demo(snapshot, options, progress=not args.no_progress)
     print(render_result(result), end="")

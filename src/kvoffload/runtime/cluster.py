@@ -22,7 +22,7 @@ from multiprocessing.process import BaseProcess
 import msgspec
 
 from .. import wire
-from .._generated import EngineSnapshot, Hello, PeerRole, Shutdown, StepPlan, WorkerReport, codecs
+from .._generated import EngineSnapshot, Hello, PeerRole, Shutdown, StepPlan, TieringConfig, WorkerReport, codecs
 from ..errors import ConfigError, WireError, WorkerError
 from ..offload.host_pool import shared_pool_path
 from .channel import Channel
@@ -54,6 +54,7 @@ class WorkerCluster:
         start_timeout_s: float = 120.0,
         memcpy_probe_bytes: int = 0,
         torch_threads: int | None = None,
+        tiering: TieringConfig | None = None,
     ) -> None:
         world = snapshot.engine_config.parallel_config.world_size
         self.world_size = world if workers is None else workers
@@ -79,6 +80,7 @@ class WorkerCluster:
                 load_timeout_s=step_timeout_s,
                 memcpy_probe_bytes=memcpy_probe_bytes,
                 torch_threads=threads,
+                tiering_json=None if tiering is None else msgspec.json.encode(tiering).decode(),
             )
             for rank in range(self.world_size)
         ]

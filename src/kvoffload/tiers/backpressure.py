@@ -167,7 +167,7 @@ class EMABackpressureDetector:
         drop = False
         if self.under_pressure:
             self._accumulator += self.drop_rate()
-            if self._accumulator >= 1.0:
+            if self._accumulator >= 1.0 - 1e-9:  # a rate of 0.25 must drop exactly every 4th store
                 self._accumulator -= 1.0
                 drop = True
         elif self._cleared_at is not None and now - self._cleared_at < self.settings.cooldown_s:

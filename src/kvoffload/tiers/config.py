@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from .base import SecondaryTier
 from .namespace import Namespace
 
-__all__ = ["TIERING_KEYS", "open_tier", "tiering_config_from_extra"]
+__all__ = ["TIERING_KEYS", "open_tier", "tier_from_cli", "tiering_config_from_extra"]
 
 TIERING_KEYS = ("secondary_tiers", "backpressure", "tier_poll_interval_s")
 _BUILTIN = {"fs", "valkey", "custom"}
@@ -128,3 +128,15 @@ def open_tier(config: SecondaryTierConfig, namespace: Namespace, *, url_override
             raise ConfigError(f"custom tier {config.class_name!r} does not implement the SecondaryTier protocol")
         return tier
     raise ConfigError(f"unknown tier config {config!r}")
+
+
+def tier_from_cli(text: str) -> SecondaryTierConfig:
+    """``disk:PATH`` -> an fs tier in PATH; ``valkey`` -> an embedded server; ``valkey://...`` (any
+    valkey/redis url) -> that server. ConfigError names the text otherwise."""
+    if text.startswith("disk:") and len(text) > 5:
+        return FsTierConfig(root_dir=text[5:])
+    if text == "valkey":
+        return ValkeyTierConfig()
+    if text.startswith(("valkey://", "valkeys://", "redis://", "rediss://", "unix://")):
+        return ValkeyTierConfig(url=text)
+    raise ConfigError(f"--tier={text!r}: use disk:PATH, valkey (embedded server) or a valkey://host:port url")
