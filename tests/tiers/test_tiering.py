@@ -102,6 +102,7 @@ TOKENS = list(range(1, 129))  # 8 chunks of 16 tokens
 
 
 def _fs(root: Path, **kw: object) -> TieringConfig:
+    kw.setdefault("tier_poll_interval_s", 0.0)  # never wait for a tier query: the first answer is RETRY
     return TieringConfig(secondary_tiers=(FsTierConfig(root_dir=str(root), n_read_threads=2, n_write_threads=2),), **kw)  # type: ignore[arg-type]
 
 
@@ -290,3 +291,20 @@ def test_an_engine_with_another_layout_never_reads_the_records(tmp_path: Path) -
         assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2, "one namespace directory per layout"
     finally:
         other.close()
+
+
+def test_a_query_answered_within_the_poll_interval_skips_retry(tmp_path: Path) -> None:
+    first = _Engine(_fs(tmp_path))
+    try:
+        first.compute("A", TOKENS, list(range(8)), seed=1)
+    finally:
+        first.close()
+    second = _Engine(_fs(tmp_path, tier_poll_interval_s=30.0))  # returns as soon as the query is answered
+    try:
+        second.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
+        assert second.sched.lookup("B", 0) is None  # HIT_PENDING: the promotion is queued
+        assert second.sched.tier_counters()["tier_lookups_retry"] == 0
+        second.step()
+        assert second.sched.lookup("B", 0) == 112
+    finally:
+        second.close()

@@ -1172,7 +1172,7 @@ class TieringConfig(
     """Defaults for every tier's backpressure."""
 
     tier_poll_interval_s: float = 0.001
-    """How often tier lookups and completions are polled; <= 0 polls only at engine steps."""
+    """How long a lookup waits for a fresh tier query before answering RETRY; <= 0 never waits."""
 
 
 class TierJob(

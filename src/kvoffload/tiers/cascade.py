@@ -26,9 +26,9 @@ are polled at each step.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -170,7 +170,7 @@ class TieredScheduler(OffloadScheduler):
         self._queued_tier_jobs: list[TierJob] = []
         self._cascade_queue: list[bytes] = []
         self._tier_counters = {"tier_lookups_retry": 0, "promotions_refused": 0, "tier_hits": 0}
-        self._lock = threading.Lock()
+        self._poll_s = tiering.tier_poll_interval_s
 
     # ------------------------------------------------------------------------------------ lookups
 
@@ -183,32 +183,32 @@ class TieredScheduler(OffloadScheduler):
             return super().lookup(req_id, num_computed_tokens)
         req = self._request(req_id)
         if self._promoting.get(req_id):
-            self._counters["lookups"] += 1
-            self._counters["lookups_deferred"] += 1
-            return None
+            return self._defer()
         query = self._queries.get(req_id)
-        if query is not None:
-            if not query.future.done():
-                self._counters["lookups"] += 1
-                self._counters["lookups_deferred"] += 1
-                self._tier_counters["tier_lookups_retry"] += 1
-                return None
-            del self._queries[req_id]
-            if self._promote(req, num_computed_tokens, query):
-                self._counters["lookups"] += 1
-                self._counters["lookups_deferred"] += 1
-                return None
-        else:
+        if query is None:
             asked = self._queried.setdefault(req_id, set())
             candidates = [k for k in self._host_misses(req, num_computed_tokens) if k not in asked]
             if candidates and any(t[0].available for t in self._lookup_tiers):
                 asked.update(candidates)
-                self._queries[req_id] = _Query(candidates, self._query_pool.submit(self._query, candidates))
-                self._counters["lookups"] += 1
-                self._counters["lookups_deferred"] += 1
+                query = _Query(candidates, self._query_pool.submit(self._query, candidates))
+                self._queries[req_id] = query
+                # A fresh query gets one poll interval to answer before the lookup says RETRY.
+                if self._poll_s > 0:
+                    wait_futures([query.future], timeout=self._poll_s)
+        if query is not None:
+            if not query.future.done():
                 self._tier_counters["tier_lookups_retry"] += 1
-                return None
+                return self._defer()
+            del self._queries[req_id]
+            if self._promote(req, num_computed_tokens, query):
+                return self._defer()  # HIT_PENDING until the promotion completes
         return super().lookup(req_id, num_computed_tokens)
+
+    def _defer(self) -> int | None:
+        """Count a deferred lookup and answer ``None`` (ask again later)."""
+        self._counters["lookups"] += 1
+        self._counters["lookups_deferred"] += 1
+        return None
 
     def _host_misses(self, req: object, num_computed: int) -> list[bytes]:
         """Keys of the request's chunks past ``num_computed`` that the host pool does not hold, in order."""

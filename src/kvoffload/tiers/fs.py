@@ -109,6 +109,7 @@ class FsTier(TierBase):
         self.root_dir = Path(root_dir)
         self.namespace = namespace
         self.dir = self.root_dir / namespace.dirname
+        self._dir_str = str(self.dir)
         self.max_bytes = max_bytes
         self.fsync = fsync
         self._staging = _Staging()
@@ -224,21 +225,21 @@ class FsTier(TierBase):
         return out
 
     def _store_one(self, key: bytes, row: memoryview) -> int | None:
-        path = self.path_of(key)
-        if path.exists():
-            with self._index_lock:
-                if key in self._index:
-                    self._index.move_to_end(key)
-            return 0
-        sub = path.parent
-        if sub.name not in self._made_dirs:
+        with self._index_lock:
+            if key in self._index:  # this instance wrote or indexed it: rewriting would only cost bandwidth
+                self._index.move_to_end(key)
+                return 0
+        h = key.hex()
+        sub = f"{self._dir_str}/{h[:2]}"
+        path = f"{sub}/{h}.bin"
+        if h[:2] not in self._made_dirs:
             try:
-                sub.mkdir(parents=True, exist_ok=True)
+                os.makedirs(sub, exist_ok=True)
             except OSError as exc:
                 raise TierError(f"fs tier cannot create {sub}: {exc}") from exc
-            self._made_dirs.add(sub.name)
+            self._made_dirs.add(h[:2])
         header = encode_header(key, len(row), payload_checksum(row))
-        tmp = sub / f".tmp-{os.getpid()}-{next(_tmp_counter)}"
+        tmp = f"{sub}/.tmp-{os.getpid()}-{next(_tmp_counter)}"
         try:
             size = self._write_file(tmp, header, row)
             os.rename(tmp, path)
@@ -259,7 +260,7 @@ class FsTier(TierBase):
         self._evict_over_limit(keep=key)
         return len(row)
 
-    def _write_file(self, tmp: Path, header: bytes, row: memoryview) -> int:
+    def _write_file(self, tmp: str, header: bytes, row: memoryview) -> int:
         total = len(header) + len(row)
         if self._odirect:
             size = _round_up(total, _PAGE)
@@ -292,7 +293,8 @@ class FsTier(TierBase):
         return [self._load_one(key, row) for key, row in zip(keys, rows, strict=True)]
 
     def _load_one(self, key: bytes, row: memoryview) -> int | RecordError | None:
-        path = self.path_of(key)
+        h = key.hex()
+        path = f"{self._dir_str}/{h[:2]}/{h}.bin"
         head_len = HEADER_SIZE + len(key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECT) if self._odirect else os.open(path, os.O_RDONLY)
