@@ -152,7 +152,7 @@ class TieredScheduler(OffloadScheduler):
         self._lookup_tiers: list[list[SecondaryTier]] = []
         try:
             for tier_config in tiering.secondary_tiers:
-                self._lookup_tiers.append([open_tier(tier_config, ns) for ns in namespaces])
+                self._lookup_tiers.append([open_tier(tier_config, ns, lookups_only=True) for ns in namespaces])
         except BaseException:
             self.close()
             raise
@@ -192,9 +192,12 @@ class TieredScheduler(OffloadScheduler):
                 asked.update(candidates)
                 query = _Query(candidates, self._query_pool.submit(self._query, candidates))
                 self._queries[req_id] = query
-                # A fresh query gets one poll interval to answer before the lookup says RETRY.
-                if self._poll_s > 0:
-                    wait_futures([query.future], timeout=self._poll_s)
+                # A fresh query gets one poll interval to answer before the lookup says RETRY; with no
+                # interval its answer is used by the next lookup (the engine asks again next step).
+                if self._poll_s <= 0:
+                    self._tier_counters["tier_lookups_retry"] += 1
+                    return self._defer()
+                wait_futures([query.future], timeout=self._poll_s)
         if query is not None:
             if not query.future.done():
                 self._tier_counters["tier_lookups_retry"] += 1

@@ -81,8 +81,14 @@ def tier_backpressure(config: SecondaryTierConfig) -> BackpressureConfig | None:
     return config.backpressure
 
 
-def open_tier(config: SecondaryTierConfig, namespace: Namespace, *, url_override: str | None = None) -> SecondaryTier:
-    """Open the tier ``config`` describes for ``namespace`` (``url_override``: an embedded server's url)."""
+def open_tier(
+    config: SecondaryTierConfig, namespace: Namespace, *, url_override: str | None = None, lookups_only: bool = False
+) -> SecondaryTier:
+    """Open the tier ``config`` describes for ``namespace`` (``url_override``: an embedded server's url).
+
+    ``lookups_only``: the scheduler's instances only answer lookups (a disk tier then neither indexes nor
+    evicts: the workers' instances own the records).
+    """
     if isinstance(config, FsTierConfig):
         from .fs import FsTier
 
@@ -94,6 +100,7 @@ def open_tier(config: SecondaryTierConfig, namespace: Namespace, *, url_override
             max_bytes=config.max_bytes,
             use_odirect=config.use_odirect,
             fsync=config.fsync,
+            scan=not lookups_only,
         )
     if isinstance(config, ValkeyTierConfig):
         from .valkey import ValkeyTier

@@ -75,7 +75,8 @@ class FsTier(TierBase):
     """Records of one namespace as files under ``root_dir`` (see the module docstring).
 
     ``n_read_threads``/``n_write_threads`` are vLLM's key names (default 16 each); ``max_bytes=None`` means
-    no limit. Raises :class:`ConfigError` for invalid arguments; faults of the medium never raise.
+    no limit. ``scan=False`` skips indexing (and so capacity eviction) at open: for lookup-only instances.
+    Raises :class:`ConfigError` for invalid arguments; faults of the medium never raise.
     """
 
     name = "fs"
@@ -90,6 +91,7 @@ class FsTier(TierBase):
         max_bytes: int | None = None,
         use_odirect: bool | None = None,
         fsync: bool = False,
+        scan: bool = True,
         retry_backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
     ) -> None:
@@ -121,7 +123,8 @@ class FsTier(TierBase):
         try:
             self._open_dir()
             self._odirect = self._probe_odirect() if use_odirect is None else use_odirect
-            self._scan()
+            if scan:
+                self._scan()
         except OSError as exc:
             self._mark_down(TierError(f"fs tier cannot use {self.dir}: {exc}"))
 
