@@ -308,3 +308,43 @@ def test_a_query_answered_within_the_poll_interval_skips_retry(tmp_path: Path) -
         assert second.sched.lookup("B", 0) == 112
     finally:
         second.close()
+
+
+def test_every_tier_gets_every_chunk_and_pins_are_balanced(tmp_path: Path, valkey_server: ValkeyServer) -> None:
+    drop_all = BackpressureConfig(
+        policy_cls="DropStorePolicy", warmup_completions=1, high_water_s=1e-9, low_water_s=1e-10
+    )
+    tiering = TieringConfig(
+        secondary_tiers=(
+            FsTierConfig(root_dir=str(tmp_path), backpressure=drop_all),
+            ValkeyTierConfig(url=server_url(valkey_server)),
+        ),
+        tier_poll_interval_s=0.0,
+    )
+    engine = _Engine(tiering)
+    try:
+        engine.compute("A", TOKENS, list(range(8)), seed=1)
+        assert [t.cascaded_chunks for t in engine.sched.tier_stats] == [8, 8]
+        # the disk tier is now under pressure and drops; Valkey still takes every chunk
+        engine.compute("C", [t + 1000 for t in TOKENS], list(range(8, 16)), seed=2)
+        assert [t.cascaded_chunks for t in engine.sched.tier_stats] == [8, 16]
+        assert engine.sched.tier_stats[0].dropped_chunks == 8
+        assert not engine.manager.has_pending_work(), "no pin is left behind, whatever the tiers did"
+        # one host lookup per request (its first chunk misses); the 16 cascaded chunks add none
+        assert engine.manager.stats().lookups == 2
+    finally:
+        engine.close()
+
+
+def test_promotion_from_a_valkey_cluster(valkey_cluster: list[ValkeyServer]) -> None:
+    url = f"valkey://127.0.0.1:{valkey_cluster[0].port}"
+    tiering = TieringConfig(secondary_tiers=(ValkeyTierConfig(url=url, cluster=True),), tier_poll_interval_s=0.0)
+    first, second = _Engine(tiering), _Engine(tiering)
+    try:
+        first.compute("A", TOKENS, list(range(8)), seed=9)
+        expected = first.block_bytes(list(range(7)))
+        hit, got = _reload(second)
+        assert hit == 112 and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    finally:
+        first.close()
+        second.close()

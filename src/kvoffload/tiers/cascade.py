@@ -46,9 +46,9 @@ from .._generated import (
     ValkeyTierConfig,
     WorkerReport,
 )
-from ..errors import ConfigError
+from ..errors import ConfigError, InvalidStateError
 from ..offload.host_pool import HostPool
-from ..offload.manager import HostBlockManager, LookupResult
+from ..offload.manager import HostBlockManager
 from ..offload.scheduler import OffloadScheduler, ReportOutcome
 from ..packed import Int32Array, Int64Array, pack_int32, pack_int64
 from .backpressure import EMABackpressureDetector, resolve_backpressure
@@ -307,16 +307,29 @@ class TieredScheduler(OffloadScheduler):
     def _plan_cascades(self) -> None:
         keys, self._cascade_queue = self._cascade_queue, []
         manager = self.manager
-        # Ready chunks only (a chunk can be evicted or reset between its completion and this plan).
-        ready = [k for k in dict.fromkeys(keys) if k in manager and manager.lookup(k) is LookupResult.HIT]
+        # Pin the chunks that are still ready (one may be evicted or reset between its completion and this
+        # plan); pinning is also the readiness check, so lookup statistics stay the engine's own.
+        ready: list[bytes] = []
+        chunks: list[int] = []
+        for key in dict.fromkeys(keys):
+            try:
+                chunks.extend(manager.prepare_load([key]))
+            except InvalidStateError:
+                continue
+            ready.append(key)
         if not ready:
             return
+        pinned = True  # the pin taken above goes to the first tier that takes the cascade
         for t, detector in enumerate(self._detectors):
             if detector.should_drop(len(ready)):
                 self.tier_stats[t].dropped_chunks += len(ready)
                 continue
-            chunks = manager.prepare_load(ready)  # pinned until every rank reported the cascade
-            self._new_tier_job(t, False, list(ready), chunks, None, 0)
+            if not pinned:
+                manager.prepare_load(ready)  # one pin per tier job, released when every rank reported it
+            pinned = False
+            self._new_tier_job(t, False, list(ready), list(chunks), None, 0)
+        if pinned:
+            manager.complete_load(ready)  # every tier dropped it
 
     def _complete(self, job: object, finished: list[str], failed_loads: list[str], failed_stores: list[str]) -> None:
         super()._complete(job, finished, failed_loads, failed_stores)  # type: ignore[arg-type]
