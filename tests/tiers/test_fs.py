@@ -205,3 +205,18 @@ def test_unwritable_directory_is_unavailable_not_an_exception(tmp_path: Path) ->
         tier.submit_store(1, _keys(1), _views(_rows(1)))
         assert tier.get_finished()[0].failed == (0,)
         assert tier.stats().stores_dropped == 1
+
+
+def test_a_vanished_directory_is_a_fault_then_recreated(tmp_path: Path) -> None:
+    import shutil
+
+    with FsTier(tmp_path, _ns(), retry_backoff_s=0.05, max_backoff_s=0.05, n_write_threads=1) as tier:
+        first, second = _keys(2)  # same subdirectory
+        assert _store(tier, [first], _rows(1)) == ()
+        shutil.rmtree(tier.dir)
+        assert _store(tier, [second], _rows(1, seed=1), job=2) == (0,)
+        assert tier.stats().unavailable_events == 1
+        assert tier.lookup([first]) == [False]
+        assert _store_when_available(tier, [second], _rows(1, seed=1)) == ()
+        out, failed = _load_when_available(tier, [second])
+        assert failed == () and torch.equal(out, _rows(1, seed=1))

@@ -255,6 +255,8 @@ class FsTier(TierBase):
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            if exc.errno == errno.ENOENT:
+                self._made_dirs.discard(h[:2])  # the directory vanished: recreate it on the next attempt
             raise TierError(f"fs tier cannot write {path}: {exc}") from exc
         with self._index_lock:
             old = self._index.pop(key, 0)
