@@ -315,6 +315,8 @@ class _Demo:
             self.result.dead_workers.extend(outcome.newly_dead)
             self.any_dead = True
         if self.any_dead:
+            if isinstance(self.sched, TieredScheduler):
+                self.sched.fail_tier_jobs()  # a dead rank never reports them: promotions are never ready
             report_failed = self.sched.fail_jobs(self.sched.in_flight_job_ids())
             self.result.failed_jobs += len(report_failed.failed_loads) + len(report_failed.failed_stores)
         self.result.failed_jobs += len(report.failed_loads) + len(report.failed_stores)
@@ -389,6 +391,14 @@ def run_demo(
 
 def _run(snapshot: EngineSnapshot, options: DemoOptions, progress: bool, max_steps: int) -> DemoResult:
     demo = _Demo(snapshot, options)
+    try:
+        return _drive(demo, snapshot, options, progress, max_steps)
+    finally:
+        if isinstance(demo.sched, TieredScheduler):
+            demo.sched.close()
+
+
+def _drive(demo: _Demo, snapshot: EngineSnapshot, options: DemoOptions, progress: bool, max_steps: int) -> DemoResult:
     started = time.perf_counter()
     cluster = WorkerCluster(
         snapshot,
@@ -412,7 +422,6 @@ def _run(snapshot: EngineSnapshot, options: DemoOptions, progress: bool, max_ste
     demo.sched.on_worker_reports(final.reports)
     if isinstance(demo.sched, TieredScheduler):
         demo.result.tiers = list(demo.sched.tier_stats)
-        demo.sched.close()
     probes = [struct.unpack("<d", bytes(extras[0]))[0] for extras in final.attachments.values() if extras]
     stats = demo.sched.stats()
     result = demo.result

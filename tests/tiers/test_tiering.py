@@ -348,3 +348,29 @@ def test_promotion_from_a_valkey_cluster(valkey_cluster: list[ValkeyServer]) -> 
     finally:
         first.close()
         second.close()
+
+
+def test_failing_tier_jobs_of_a_dead_worker_frees_promotions_and_pins(tmp_path: Path) -> None:
+    first = _Engine(_fs(tmp_path))
+    try:
+        first.compute("A", TOKENS, list(range(8)), seed=1)
+    finally:
+        first.close()
+    second = _Engine(_fs(tmp_path))
+    try:
+        second.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
+        assert second.sched.lookup("B", 0) is None  # RETRY
+        for _ in range(1000):  # until the query answered: HIT_PENDING, promotions queued, chunks allocated
+            assert second.sched.lookup("B", 0) is None
+            if second.manager.has_pending_work():
+                break
+            time.sleep(0.01)
+        assert second.manager.has_pending_work()
+        second.sched.build_step_plan()  # the plan goes to a worker that dies before reporting
+        second.sched.fail_tier_jobs()
+        assert not second.manager.has_pending_work() and len(second.manager) == 0
+        assert second.sched.tier_stats[0].promotion_failures == 8
+        assert not second.sched.has_pending_work()
+        assert second.sched.lookup("B", 0) == 0, "recompute: nothing was promoted"
+    finally:
+        second.close()
