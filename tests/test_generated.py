@@ -52,10 +52,16 @@ def strategy(tref: TypeRef, f: Field | None = None) -> st.SearchStrategy[object]
             return st.integers(lo, hi)
         if tref.name == "float":
             return st.floats(
-                min_value=bounds.get("ge"), max_value=bounds.get("le"), allow_nan=False, allow_infinity=False
+                min_value=bounds.get("ge", bounds.get("gt")),
+                max_value=bounds.get("le", bounds.get("lt")),
+                exclude_min="gt" in bounds,
+                exclude_max="lt" in bounds,
+                allow_nan=False,
+                allow_infinity=False,
             )
         if tref.name == "str":
-            return st.text(max_size=12)
+            shortest = int(bounds.get("min_length", 0))
+            return st.text(min_size=shortest, max_size=max(12, shortest))
         if tref.name == "bytes":
             return st.binary(max_size=40)
         return json_values

@@ -137,6 +137,12 @@ def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
         metavar="SECONDS",
         help="give up a worker that sends no heartbeat for this long: stopped or frozen (default 10)",
     )
+    p.add_argument(
+        "--tier",
+        action="append",
+        default=[],
+        help="secondary tier below the host pool, repeatable: disk:PATH, valkey (embedded server), valkey://host:port",
+    )
     p.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
     p.set_defaults(handler=_run_demo)
 
@@ -157,8 +163,18 @@ def _run_demo(args: argparse.Namespace) -> int:
         if args.workers is not None and args.workers != world:
             raise ConfigError(f"--workers={args.workers} differs from the snapshot's world_size={world}")
     snapshot = snapshot_with_overrides(snapshot, cpu_bytes=args.cpu_bytes, policy=args.policy)
+    tiering = None
+    if args.tier:
+        from ._generated import TieringConfig
+        from .tiers.config import tier_from_cli
+
+        tiering = TieringConfig(secondary_tiers=tuple(tier_from_cli(t) for t in args.tier))
     options = DemoOptions(
-        requests=args.requests, conversations=args.conversations, seed=args.seed, shared_pool=args.shared_pool
+        requests=args.requests,
+        conversations=args.conversations,
+        seed=args.seed,
+        shared_pool=args.shared_pool,
+        tiering=tiering,
     )
     if args.worker_timeout is not None:
         if not 0 < args.worker_timeout < 1e9:

@@ -9,6 +9,7 @@ what the engine would have computed. Any mismatch, failed job or dead worker mak
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import struct
 import time
@@ -33,6 +34,7 @@ from ._generated import (
     OffloadingGroupConfig,
     ParallelConfig,
     StepPlan,
+    TieringConfig,
 )
 from .errors import ConfigError, DeadlineError, HostMemoryError
 from .offload.host_pool import available_host_memory_bytes, plan_host_pool_from_config
@@ -42,6 +44,8 @@ from .offload.scheduler import OffloadScheduler
 from .packed import Int32Array, Int64Array
 from .runtime.cluster import DEFAULT_WORKER_TIMEOUT_S, WorkerCluster
 from .runtime.sim_engine import block_seed
+from .tiers.cascade import TieredScheduler, TierStatsRow, start_embedded_servers
+from .tiers.valkey import EmbeddedValkey
 from .translate import translate_snapshot
 
 __all__ = ["DemoOptions", "DemoResult", "default_snapshot", "run_demo"]
@@ -108,6 +112,7 @@ class DemoOptions:
     memcpy_probe_bytes: int = 64 * MiB
     step_timeout_s: float = 120.0
     worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S
+    tiering: TieringConfig | None = None
 
 
 @dataclass
@@ -134,6 +139,7 @@ class DemoResult:
     wall_seconds: float = 0.0
     host_chunks_filled: int = 0
     host_chunks: int = 0
+    tiers: list[TierStatsRow] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -216,7 +222,11 @@ class _Demo:
         policy = self.config.extra_config.get("eviction_policy", "lru")
         self.num_chunks = plan_host_pool_from_config(self.config).num_chunks
         self.manager = HostBlockManager(self.num_chunks, str(policy))
-        self.sched = OffloadScheduler(self.config, self.manager)
+        self.sched: OffloadScheduler
+        if options.tiering is not None:
+            self.sched = TieredScheduler(self.config, self.manager, options.tiering)
+        else:
+            self.sched = OffloadScheduler(self.config, self.manager)
         self.groups = self.config.groups
         self.tph = self.config.cache.tokens_per_hash
         self.num_blocks = snapshot.kv_cache_config.num_blocks
@@ -316,6 +326,8 @@ class _Demo:
             self.result.worker_errors.update(outcome.errors)
             self.any_dead = True
         if self.any_dead:
+            if isinstance(self.sched, TieredScheduler):
+                self.sched.fail_tier_jobs()  # a dead rank never reports them: promotions are never ready
             report_failed = self.sched.fail_jobs(self.sched.in_flight_job_ids())
             self.result.failed_jobs += len(report_failed.failed_loads) + len(report_failed.failed_stores)
         self.result.failed_jobs += len(report.failed_loads) + len(report.failed_stores)
@@ -375,9 +387,31 @@ def run_demo(
     Raises HostMemoryError before starting any process when the workers' KV memory and host pools would
     not fit in this machine's available memory (real-size snapshots need a real-size machine).
     """
+    _check_memory(snapshot, translate_snapshot(snapshot))
+    servers: list[EmbeddedValkey] = []
+    if options.tiering is not None:
+        tiering, embedded = start_embedded_servers(options.tiering)
+        servers.extend(embedded)
+        options = dataclasses.replace(options, tiering=tiering)
+    try:
+        return _run(snapshot, options, progress, max_steps)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _run(snapshot: EngineSnapshot, options: DemoOptions, progress: bool, max_steps: int) -> DemoResult:
     demo = _Demo(snapshot, options)
     _check_memory(snapshot, demo.config)
     _check_workload_fits(options, demo.tph, demo.groups, demo.num_blocks)
+    try:
+        return _drive(demo, snapshot, options, progress, max_steps)
+    finally:
+        if isinstance(demo.sched, TieredScheduler):
+            demo.sched.close()
+
+
+def _drive(demo: _Demo, snapshot: EngineSnapshot, options: DemoOptions, progress: bool, max_steps: int) -> DemoResult:
     started = time.perf_counter()
     cluster = WorkerCluster(
         snapshot,
@@ -386,6 +420,7 @@ def run_demo(
         step_timeout_s=options.step_timeout_s,
         worker_timeout_s=options.worker_timeout_s,
         memcpy_probe_bytes=options.memcpy_probe_bytes,
+        tiering=options.tiering,
     )
     cluster.start()
     bar = _progress(options.requests) if progress else None
@@ -399,6 +434,8 @@ def run_demo(
         if bar is not None:
             bar.close()
     demo.sched.on_worker_reports(final.reports)
+    if isinstance(demo.sched, TieredScheduler):
+        demo.result.tiers = list(demo.sched.tier_stats)
     probes = [struct.unpack("<d", bytes(extras[0]))[0] for extras in final.attachments.values() if extras]
     stats = demo.sched.stats()
     result = demo.result
@@ -507,6 +544,7 @@ def render_result(result: DemoResult) -> str:
             if result.memcpy_gbps
             else "n/a",
         ),
+        *_tier_rows(result),
         ("reloaded blocks verified byte for byte", f"{result.blocks_verified}"),
         ("mismatched blocks", f"{len(result.mismatched_blocks)}"),
         ("failed jobs / dead workers", f"{result.failed_jobs} / {len(result.dead_workers)}"),
@@ -517,6 +555,21 @@ def render_result(result: DemoResult) -> str:
     out = StringIO()
     Console(file=out, width=100, force_terminal=False).print(table)
     return out.getvalue()
+
+
+def _tier_rows(result: DemoResult) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    for i, t in enumerate(result.tiers):
+        name = f"tier {i} ({t.name})"
+        rows.append((f"{name}: prompt tokens promoted", f"{t.tokens_promoted}"))
+        rows.append(
+            (
+                f"{name}: chunks cascaded / dropped / failed",
+                f"{t.cascaded_chunks} / {t.dropped_chunks} / {t.cascade_failures}",
+            )
+        )
+        rows.append((f"{name}: write / read GB/s", f"{t.write_gbps:.2f} / {t.read_gbps:.2f}"))
+    return rows
 
 
 def snapshot_with_overrides(snapshot: EngineSnapshot, *, cpu_bytes: int | None, policy: str | None) -> EngineSnapshot:

@@ -15,6 +15,8 @@ best describes it, so callers can catch either the library-wide base or the buil
     ├── TransferError(RuntimeError)            a copy between engine memory and the host pool failed
     ├── WorkerError(RuntimeError)              a worker process died, stalled, failed or refused the handshake
     ├── DeadlineError(TimeoutError)            nothing arrived, or a run did not finish, within its deadline
+    ├── TierError(OSError)                     a secondary tier (disk, Valkey) failed an operation or is down
+    │   └── RecordError                        a tier record is malformed: bad magic, version, key, length, checksum
     └── VerificationError(RuntimeError)        reloaded KV bytes differ from what was stored (demo/checks)
 
 Validation never uses ``assert``: every check raises one of these with a message that names the offending
@@ -32,7 +34,9 @@ __all__ = [
     "InvalidStateError",
     "KVOffloadError",
     "OffloadingConfigError",
+    "RecordError",
     "SchemaMismatchError",
+    "TierError",
     "TransferError",
     "ValueOverflowError",
     "VerificationError",
@@ -100,6 +104,14 @@ class WorkerError(KVOffloadError, RuntimeError):
 
 class DeadlineError(KVOffloadError, TimeoutError):
     """Nothing arrived within a receive timeout, or a run did not finish within its step or time budget."""
+
+
+class TierError(KVOffloadError, OSError):
+    """A secondary tier failed an operation (IO error, disk full, server down); the tier turns unavailable."""
+
+
+class RecordError(TierError):
+    """A tier record failed verification (magic, format version, key, length or checksum): treated as a miss."""
 
 
 class VerificationError(KVOffloadError, RuntimeError):

@@ -14,7 +14,7 @@ from kvoffload.packed import Int32Bytes, Int64Bytes
 
 SCHEMA_NAME: Final = "kvoffload"
 SCHEMA_VERSION: Final = "1.3"
-SCHEMA_FINGERPRINT: Final = "9aa28ead998e9632"
+SCHEMA_FINGERPRINT: Final = "53235cb984ece836"
 
 
 class DType(enum.StrEnum):
@@ -858,6 +858,9 @@ class StepPlan(
     flush: Int64Bytes = Int64Bytes(b"")
     """Jobs to finish before this step's blocks are reused."""
 
+    tier_jobs: tuple[TierJob, ...] = ()
+    """Secondary-tier cascades and promotions to start (tiering). (since 1.3)"""
+
 
 class JobResult(
     msgspec.Struct,
@@ -915,6 +918,9 @@ class WorkerReport(
 
     results: tuple[JobResult, ...]
     """Finished jobs."""
+
+    tier_results: tuple[TierJobResult, ...] = ()
+    """Finished secondary-tier jobs (tiering). (since 1.3)"""
 
 
 class Shutdown(
@@ -1105,6 +1111,240 @@ class VLLMConnectorConfig(
     """Verify an xxh3 checksum of every loaded chunk (key tags are verified either way)."""
 
 
+class BackpressureConfig(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+):
+    """Backpressure of a tier's cascades (vLLM's EMA detector and drop policy). Unset fields take the
+    top-level `backpressure` value, then the tier type's default (disk: high 0.010 / low 0.002 s per
+    MiB; Valkey: 0.050 / 0.010).
+
+    Since schema 1.3.
+    """
+
+    backpressure_cls: str | None = None
+    """Detector: `EMABackpressureDetector` (the only one; `ema` for short)."""
+
+    policy_cls: str | None = None
+    """Drop policy: `ThrottledDropPolicy` (default) or `DropStorePolicy`."""
+
+    high_water_s: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    """Store latency (s per MiB) above which the tier is under pressure."""
+
+    low_water_s: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    """Latency (s per MiB) below which pressure clears."""
+
+    alpha: Annotated[float, msgspec.Meta(le=1.0, gt=0.0)] | None = None
+    """EMA weight of a new sample (0.15)."""
+
+    warmup_completions: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Samples averaged to seed the EMA (10)."""
+
+    decay_half_life_s: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    """Idle decay half-life of the EMA (2.0 s)."""
+
+    cooldown_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    """After pressure clears, every 2nd store is dropped this long (1.0 s)."""
+
+    failure_threshold: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Consecutive failed stores that force pressure (3 for disk, none otherwise)."""
+
+    ramp_factor: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    """ThrottledDropPolicy: drop rate = min(1, (ema - high) / high / ramp) (2.0)."""
+
+
+class FsTierConfig(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    tag_field="type",
+    tag="fs",
+):
+    """Disk tier: one record file per chunk under a namespace directory of `root_dir`.
+
+    Since schema 1.3.
+    """
+
+    root_dir: Annotated[str, msgspec.Meta(min_length=1)]
+    """Directory holding the namespace directories (created if missing)."""
+
+    n_read_threads: Annotated[int, msgspec.Meta(ge=1)] = 16
+    """Reader threads per worker."""
+
+    n_write_threads: Annotated[int, msgspec.Meta(ge=1)] = 16
+    """Writer threads per worker."""
+
+    max_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Capacity of each namespace directory; the oldest records go first. None: unlimited."""
+
+    use_odirect: bool | None = None
+    """O_DIRECT IO; None: when the file system supports it."""
+
+    fsync: bool = False
+    """Flush each record (and its directory) to the device before it becomes visible."""
+
+    backpressure: BackpressureConfig | None = None
+    """Per-tier backpressure overrides."""
+
+
+class ValkeyTierConfig(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    tag_field="type",
+    tag="valkey",
+):
+    """Valkey/Redis tier: one key per chunk; the server's allkeys-lru eviction is the capacity policy.
+
+    Since schema 1.3.
+    """
+
+    url: str | None = None
+    """`valkey://host:port/db`, `valkeys://`, `rediss://`, `unix://path`; None: a private embedded
+    server.
+    """
+
+    cluster: bool = False
+    """Use the cluster client (the url names any node)."""
+
+    key_prefix: str = "kvo"
+    """Prefix of every key (then the namespace)."""
+
+    password: str | None = None
+    """AUTH password, passed to the client."""
+
+    username: str | None = None
+    """ACL user name, passed to the client."""
+
+    ssl_options: dict[str, object] = msgspec.field(default_factory=dict)
+    """TLS options passed to the client as given (ssl_ca_certs, ssl_certfile, ...)."""
+
+    n_read_threads: Annotated[int, msgspec.Meta(ge=1)] = 4
+    """Reader threads (one pipelined batch each) per worker."""
+
+    n_write_threads: Annotated[int, msgspec.Meta(ge=1)] = 4
+    """Writer threads per worker."""
+
+    batch_size: Annotated[int, msgspec.Meta(ge=1)] = 16
+    """Records per pipelined batch."""
+
+    socket_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
+    """Socket timeout of a command."""
+
+    embedded_maxmemory: str = "1gb"
+    """maxmemory of the embedded server."""
+
+    backpressure: BackpressureConfig | None = None
+    """Per-tier backpressure overrides."""
+
+
+class CustomTierConfig(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+    tag_field="type",
+    tag="custom",
+):
+    """An out-of-tree tier: `class_name` imported from `module_path`, built with `options` as keyword
+    arguments and the namespace. vLLM's form `{"type": "MyTier", "module_path": "pkg.mod", ...}` is
+    accepted and rewritten to this one.
+
+    Since schema 1.3.
+    """
+
+    class_name: Annotated[str, msgspec.Meta(min_length=1)]
+    """Class implementing the SecondaryTier protocol."""
+
+    module_path: Annotated[str, msgspec.Meta(min_length=1)]
+    """Module to import it from."""
+
+    options: dict[str, object] = msgspec.field(default_factory=dict)
+    """Keyword arguments of the constructor."""
+
+    backpressure: BackpressureConfig | None = None
+    """Per-tier backpressure overrides."""
+
+
+class TieringConfig(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+):
+    """Secondary tiers below the host pool, read from kv_connector_extra_config (vLLM's key names).
+
+    Since schema 1.3.
+    """
+
+    secondary_tiers: tuple[SecondaryTierConfig, ...] = ()
+    """Tiers in order; every stored chunk is cascaded to each."""
+
+    backpressure: BackpressureConfig | None = None
+    """Defaults for every tier's backpressure."""
+
+    tier_poll_interval_s: float = 0.001
+    """How long a lookup waits for a fresh tier query before answering RETRY; <= 0 never waits."""
+
+
+class TierJob(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    array_like=True,
+    gc=False,
+):
+    """Scheduler -> workers: copy host chunk rows to a tier (cascade) or from a tier into host rows
+    (promotion).
+
+    Since schema 1.3.
+    """
+
+    job_id: Annotated[int, msgspec.Meta(ge=0)]
+    """Tier job id (its own counter)."""
+
+    tier: Annotated[int, msgspec.Meta(ge=0)]
+    """Index of the tier in `secondary_tiers`."""
+
+    is_promotion: bool
+    """True: tier -> host rows; False: host rows -> tier."""
+
+    keys: tuple[bytes, ...]
+    """Chunk keys."""
+
+    chunk_ids: Int64Bytes
+    """Host chunk rows, one per key."""
+
+
+class TierJobResult(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    array_like=True,
+    gc=False,
+):
+    """Worker -> scheduler: one finished tier job on one worker.
+
+    Since schema 1.3.
+    """
+
+    job_id: Annotated[int, msgspec.Meta(ge=0)]
+    """Tier job id."""
+
+    failed: Int32Bytes = Int32Bytes(b"")
+    """Indices of the keys that failed (missing, corrupt, unavailable)."""
+
+    num_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Bytes moved."""
+
+    seconds: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    """Time from submission to completion."""
+
+
 KVCacheSpec: TypeAlias = (
     FullAttentionSpec
     | MLAAttentionSpec
@@ -1119,6 +1359,12 @@ KVCacheSpec: TypeAlias = (
 
 KVEvent: TypeAlias = BlockStored | BlockRemoved
 """A KV cache event, tagged by `type`."""
+
+
+SecondaryTierConfig: TypeAlias = FsTierConfig | ValkeyTierConfig | CustomTierConfig
+"""One secondary tier, tagged by `type`: `fs`, `valkey`, or `custom` (an out-of-tree class by module
+path).
+"""
 
 
 Message: TypeAlias = Hello | StepPlan | WorkerReport | Shutdown | KVEventBatch | WorkerFailure | Heartbeat

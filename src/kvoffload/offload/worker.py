@@ -9,11 +9,15 @@ After the forward pass, this step's stores are queued for the next step. ``repor
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from .._generated import JobResult, StepPlan, TransferJob, WorkerReport
 from ..errors import KVOffloadError
 from ..packed import Int32Array, Int64Array, pack_int64
 from .copy_engine import CopyEngine
+
+if TYPE_CHECKING:
+    from ..tiers.cascade import TierWorker
 
 __all__ = ["OffloadWorker"]
 
@@ -27,9 +31,10 @@ class OffloadWorker:
     count them.
     """
 
-    def __init__(self, engine: CopyEngine, *, rank: int) -> None:
+    def __init__(self, engine: CopyEngine, *, rank: int, tiers: TierWorker | None = None) -> None:
         self.engine = engine
         self.rank = rank
+        self.tiers = tiers  # secondary tiers: runs the plans' tier jobs (cascades, promotions)
         self._deferred_stores: list[TransferJob] = []
         self._in_flight: set[int] = set()
         self._failed: list[JobResult] = []
@@ -50,6 +55,8 @@ class OffloadWorker:
             self.engine.wait(Int64Array.from_buffer(plan.flush).tolist())
         for job in plan.load_jobs:
             self._submit(job, is_store=False)
+        if self.tiers is not None and plan.tier_jobs:
+            self.tiers.submit(plan.tier_jobs)
 
     def wait_for_loads(self, plan: StepPlan, timeout: float | None = None) -> None:
         """Block until this step's loads are done (an engine that needs them before computing calls this)."""
@@ -81,17 +88,22 @@ class OffloadWorker:
         self._failed = []
         for r in results:
             self._in_flight.discard(r.job_id)
-        return WorkerReport(rank=self.rank, step=step, results=tuple(results))
+        tier_results = tuple(self.tiers.poll()) if self.tiers is not None else ()
+        return WorkerReport(rank=self.rank, step=step, results=tuple(results), tier_results=tier_results)
 
     def drain(self, step: int, timeout: float | None = None) -> WorkerReport:
         """Submit what is deferred, wait for everything in flight, and report it (used at shutdown)."""
         self._submit_deferred()
         self.engine.wait(set(self._in_flight), timeout)
+        if self.tiers is not None:
+            self.tiers.wait(timeout)
         return self.report(step)
 
     def close(self) -> None:
-        """Stop the copy engine (in-flight copies finish first)."""
+        """Stop the copy engine (in-flight copies finish first) and the tiers."""
         self.engine.close()
+        if self.tiers is not None:
+            self.tiers.close()
 
     def _submit_deferred(self) -> None:
         jobs, self._deferred_stores = self._deferred_stores, []

@@ -35,6 +35,7 @@ from .._generated import (
     PeerRole,
     Shutdown,
     StepPlan,
+    TieringConfig,
     WorkerFailure,
     WorkerReport,
     codecs,
@@ -110,6 +111,7 @@ class WorkerCluster:
         memcpy_probe_bytes: int = 0,
         torch_threads: int | None = None,
         checksums: bool = True,
+        tiering: TieringConfig | None = None,
     ) -> None:
         for name, value in (
             ("step_timeout_s", step_timeout_s),
@@ -147,6 +149,7 @@ class WorkerCluster:
                 torch_threads=threads,
                 heartbeat_interval_s=min(2.0, max(0.01, self.worker_timeout_s / 5)),
                 checksums=checksums,
+                tiering_json=None if tiering is None else msgspec.json.encode(tiering).decode(),
             )
             for rank in range(self.world_size)
         ]

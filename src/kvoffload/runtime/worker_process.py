@@ -40,6 +40,7 @@ from .._generated import (
     PeerRole,
     Shutdown,
     StepPlan,
+    TieringConfig,
     WorkerFailure,
     WorkerReport,
     codecs,
@@ -74,6 +75,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     heartbeat_interval_s: float = 1.0
     checksums: bool = True
     """Content checksums of host chunks (integrity); key tags are verified either way."""
+    tiering_json: str | None = None  # a TieringConfig (JSON, urls resolved): this worker runs tier jobs
 
 
 def rank_config(snapshot: EngineSnapshot, rank: int) -> tuple[EngineSnapshot, OffloadingConfig]:
@@ -151,12 +153,19 @@ def _open_session(spec: WorkerSpec) -> _Session:
     layout = transfer_layout_from_config(ranked.kv_cache_config, config)
     kv = torch.zeros(layout.engine_bytes, dtype=torch.uint8)
     pool = HostPool(plan_host_pool_from_config(config), engine_id=spec.shared_pool_id)
+    tiers = None
     try:
         engine = CopyEngine(kv, layout, pool, cpu_threads=spec.torch_threads, checksums=spec.checksums)
+        if spec.tiering_json is not None:
+            from ..tiers.cascade import TierWorker
+
+            tiering = msgspec.json.decode(spec.tiering_json, type=TieringConfig)
+            tiers = TierWorker(tiering, config, pool)
     except BaseException:
         pool.close()
         raise
-    return _Session(spec=spec, kv=kv, layout=layout, pool=pool, worker=OffloadWorker(engine, rank=spec.rank))
+    worker = OffloadWorker(engine, rank=spec.rank, tiers=tiers)
+    return _Session(spec=spec, kv=kv, layout=layout, pool=pool, worker=worker)
 
 
 class _Heartbeat:

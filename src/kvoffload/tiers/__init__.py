@@ -1,0 +1,56 @@
+"""Secondary tiers below the host pool (disk, Valkey) with vLLM 0.33's tiering semantics.
+
+``TieredScheduler`` (scheduler side) cascades stored chunks and promotes tier hits; ``TierWorker`` (one per
+rank) runs the tier jobs on the rank's host rows; ``FsTier`` and ``ValkeyTier`` are the built-in tiers, both
+on :class:`~kvoffload.tiers.base.TierBase`; the config types are generated from the schema (1.3).
+"""
+
+from __future__ import annotations
+
+from .._generated import (
+    BackpressureConfig,
+    CustomTierConfig,
+    FsTierConfig,
+    SecondaryTierConfig,
+    TieringConfig,
+    TierJob,
+    TierJobResult,
+    ValkeyTierConfig,
+)
+from .backpressure import BackpressureSettings, EMABackpressureDetector, resolve_backpressure
+from .base import SecondaryTier, TierBase, TierStats
+from .cascade import TieredScheduler, TierStatsRow, TierWorker, start_embedded_servers
+from .config import open_tier, tier_from_cli, tiering_config_from_extra
+from .fs import FsTier
+from .namespace import Namespace, namespace_for, namespaces_for_all_ranks
+from .valkey import EmbeddedValkey, ValkeyTier
+
+__all__ = [
+    "BackpressureConfig",
+    "BackpressureSettings",
+    "CustomTierConfig",
+    "EMABackpressureDetector",
+    "EmbeddedValkey",
+    "FsTier",
+    "FsTierConfig",
+    "Namespace",
+    "SecondaryTier",
+    "SecondaryTierConfig",
+    "TierBase",
+    "TierJob",
+    "TierJobResult",
+    "TierStats",
+    "TierStatsRow",
+    "TierWorker",
+    "TieredScheduler",
+    "TieringConfig",
+    "ValkeyTier",
+    "ValkeyTierConfig",
+    "namespace_for",
+    "namespaces_for_all_ranks",
+    "open_tier",
+    "resolve_backpressure",
+    "start_embedded_servers",
+    "tier_from_cli",
+    "tiering_config_from_extra",
+]

@@ -1,0 +1,179 @@
+"""Backpressure of cascades into a slow tier (vLLM 0.33's EMA detector and drop policies, reference §6).
+
+The detector keeps an exponential moving average of store latency per MiB. It is seeded with the mean of
+the first ``warmup_completions`` samples; pressure starts when the EMA exceeds ``high_water_s`` and clears
+when it falls below ``low_water_s`` (also through idle decay: ``ema *= 0.5 ** (idle / half_life)``). After
+``failure_threshold`` consecutive failed stores pressure is forced with ``ema >= 4 * high``. Ten consecutive
+samples below the low mark reset to a healthy fast path. For ``cooldown_s`` after pressure clears every
+second store is dropped. Under pressure the policy decides: ``ThrottledDropPolicy`` drops a growing share,
+``drop_rate = min(1, (ema - high) / high / ramp_factor)`` (an accumulator spreads the drops evenly);
+``DropStorePolicy`` drops everything. Drops are counted per store and per chunk. The engine never waits:
+a dropped cascade only means that chunk is not in that tier.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .._generated import BackpressureConfig
+from ..errors import ConfigError
+
+__all__ = ["BackpressureSettings", "EMABackpressureDetector", "resolve_backpressure"]
+
+_MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class BackpressureSettings:
+    """Resolved backpressure parameters of one tier."""
+
+    high_water_s: float
+    low_water_s: float
+    alpha: float = 0.15
+    warmup_completions: int = 10
+    decay_half_life_s: float = 2.0
+    cooldown_s: float = 1.0
+    failure_threshold: int | None = None
+    policy: str = "ThrottledDropPolicy"
+    ramp_factor: float = 2.0
+
+
+_POLICIES = {"ThrottledDropPolicy": "ThrottledDropPolicy", "throttled": "ThrottledDropPolicy"}
+_POLICIES |= {"DropStorePolicy": "DropStorePolicy", "drop": "DropStorePolicy"}
+_DETECTORS = {"EMABackpressureDetector", "ema"}
+
+
+def resolve_backpressure(
+    tier_type: str, top: BackpressureConfig | None, own: BackpressureConfig | None
+) -> BackpressureSettings:
+    """Merge per field: tier's own > top-level ``backpressure`` > the tier type's defaults (vLLM's rule)."""
+    network = tier_type != "fs"
+    high, low = (0.050, 0.010) if network else (0.010, 0.002)
+    defaults = BackpressureSettings(high, low, failure_threshold=None if network else 3)
+
+    def pick(name: str) -> object:
+        for source in (own, top):
+            if source is not None and getattr(source, name) is not None:
+                return getattr(source, name)
+        return getattr(defaults, name, None)
+
+    detector = pick("backpressure_cls") or "EMABackpressureDetector"
+    if detector not in _DETECTORS:
+        raise ConfigError(f"{tier_type} tier: backpressure_cls={detector!r} is not supported (EMABackpressureDetector)")
+    policy_name = pick("policy_cls") or "ThrottledDropPolicy"
+    policy = _POLICIES.get(str(policy_name))
+    if policy is None:
+        raise ConfigError(
+            f"{tier_type} tier: policy_cls={policy_name!r} is not one of ThrottledDropPolicy, DropStorePolicy"
+        )
+    settings = BackpressureSettings(
+        high_water_s=float(pick("high_water_s")),  # type: ignore[arg-type]
+        low_water_s=float(pick("low_water_s")),  # type: ignore[arg-type]
+        alpha=float(pick("alpha")),  # type: ignore[arg-type]
+        warmup_completions=int(pick("warmup_completions")),  # type: ignore[call-overload]
+        decay_half_life_s=float(pick("decay_half_life_s")),  # type: ignore[arg-type]
+        cooldown_s=float(pick("cooldown_s")),  # type: ignore[arg-type]
+        failure_threshold=pick("failure_threshold"),  # type: ignore[arg-type]
+        policy=policy,
+        ramp_factor=float(pick("ramp_factor")),  # type: ignore[arg-type]
+    )
+    if settings.low_water_s > settings.high_water_s:
+        raise ConfigError(
+            f"{tier_type} tier: backpressure low_water_s={settings.low_water_s} exceeds "
+            f"high_water_s={settings.high_water_s}"
+        )
+    return settings
+
+
+class EMABackpressureDetector:
+    """Decides, store by store, whether a cascade into one tier is dropped (see the module docstring)."""
+
+    def __init__(self, settings: BackpressureSettings, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self._clock = clock
+        self.ema: float | None = None
+        self._warmup: list[float] = []
+        self.under_pressure = False
+        self._cleared_at: float | None = None
+        self._last_sample = clock()
+        self._consecutive_failures = 0
+        self._healthy_streak = 0
+        self._accumulator = 0.0
+        self._cooldown_toggle = False
+        self.dropped_stores = 0
+        self.dropped_chunks = 0
+        self.samples = 0
+
+    def record(self, num_bytes: int, seconds: float, *, success: bool = True) -> None:
+        """Feed one finished store: its bytes and latency (a failure counts towards ``failure_threshold``)."""
+        s = self.settings
+        now = self._clock()
+        self._last_sample = now
+        if not success:
+            self._consecutive_failures += 1
+            if s.failure_threshold is not None and self._consecutive_failures >= s.failure_threshold:
+                self.ema = max(self.ema or 0.0, 4 * s.high_water_s)
+                self.under_pressure = True
+            return
+        self._consecutive_failures = 0
+        sample = seconds / max(num_bytes / _MiB, 1e-9)
+        self.samples += 1
+        if self.ema is None:
+            self._warmup.append(sample)
+            if len(self._warmup) < s.warmup_completions:
+                return
+            self.ema = sum(self._warmup) / len(self._warmup)
+            self._warmup = []
+        else:
+            self.ema = s.alpha * sample + (1 - s.alpha) * self.ema
+        self._healthy_streak = self._healthy_streak + 1 if sample < s.low_water_s else 0
+        self._update(now)
+
+    def _update(self, now: float) -> None:
+        s = self.settings
+        if self.ema is None:
+            return
+        if not self.under_pressure and self.ema > s.high_water_s:
+            self.under_pressure = True
+        elif self.under_pressure and (self.ema < s.low_water_s or self._healthy_streak >= 10):
+            self.under_pressure = False
+            self._cleared_at = now
+            self._accumulator = 0.0
+
+    def _decay(self, now: float) -> None:
+        if self.ema is None:
+            return
+        idle = now - self._last_sample
+        if idle > 0:
+            self.ema *= 0.5 ** (idle / self.settings.decay_half_life_s)
+            self._last_sample = now
+            self._update(now)
+
+    def drop_rate(self) -> float:
+        """Share of stores the policy drops now."""
+        s = self.settings
+        if not self.under_pressure or self.ema is None:
+            return 0.0
+        if s.policy == "DropStorePolicy":
+            return 1.0
+        return min(1.0, max(0.0, self.ema - s.high_water_s) / s.high_water_s / s.ramp_factor)
+
+    def should_drop(self, num_chunks: int = 1) -> bool:
+        """Whether the next store (of ``num_chunks`` chunks) is dropped; drops are counted."""
+        now = self._clock()
+        self._decay(now)
+        drop = False
+        if self.under_pressure:
+            self._accumulator += self.drop_rate()
+            if self._accumulator >= 1.0 - 1e-9:  # a rate of 0.25 must drop exactly every 4th store
+                self._accumulator -= 1.0
+                drop = True
+        elif self._cleared_at is not None and now - self._cleared_at < self.settings.cooldown_s:
+            self._cooldown_toggle = not self._cooldown_toggle
+            drop = self._cooldown_toggle
+        if drop:
+            self.dropped_stores += 1
+            self.dropped_chunks += num_chunks
+        return drop

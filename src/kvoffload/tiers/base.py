@@ -1,0 +1,364 @@
+"""What a secondary tier is: batch stores and loads of records keyed by chunk key, asynchronous, with lookups.
+
+A tier instance serves ONE namespace (one model, layout and rank: see :mod:`kvoffload.tiers.namespace`). It
+never touches engine memory: it moves whole host chunk rows (this rank's slot of a host pool row) to and
+from its medium as :mod:`records <kvoffload.tiers.record>`. ``submit_store``/``submit_load`` return at once;
+the work runs on the tier's own threads and finished jobs are collected with ``get_finished`` (vLLM's
+``SecondaryTierManager`` shape), so tier IO never blocks an engine step.
+
+Faults never reach the engine as exceptions: a failing medium (disk full, server gone) marks the tier
+*unavailable* for a back-off interval (doubling up to ``max_backoff_s``); meanwhile lookups miss and stores
+are dropped (counted), then the next operation probes the medium again. A bad record is a miss, counted and
+deleted. :class:`TierBase` implements this bookkeeping once; a concrete tier writes ``_store_batch``,
+``_load_batch``, ``_exists_batch`` and ``_delete``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from ..errors import InvalidStateError, RecordError, TierError
+
+__all__ = ["SecondaryTier", "TierBase", "TierJobResult", "TierStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class TierJobResult:
+    """A finished tier job: which keys failed (indices into the job's keys), bytes moved, seconds taken."""
+
+    job_id: int
+    is_store: bool
+    num_keys: int
+    failed: tuple[int, ...]
+    num_bytes: int
+    seconds: float
+
+    @property
+    def success(self) -> bool:
+        """True when every key of the job succeeded."""
+        return not self.failed
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters of one tier instance since it was opened."""
+
+    stores: int = 0
+    stores_dropped: int = 0
+    store_failures: int = 0
+    loads: int = 0
+    load_hits: int = 0
+    load_misses: int = 0
+    corrupt_records: int = 0
+    lookups: int = 0
+    lookup_hits: int = 0
+    evictions: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    write_seconds: float = 0.0
+    read_seconds: float = 0.0
+    unavailable_events: int = 0
+    available: bool = True
+    last_error: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class SecondaryTier(Protocol):
+    """The interface every secondary tier (disk, Valkey, out-of-tree) offers to the tier workers."""
+
+    name: str
+
+    def submit_store(self, job_id: int, keys: Sequence[bytes], rows: Sequence[memoryview]) -> None:
+        """Start writing ``rows[i]`` as the record of ``keys[i]``; never blocks on the medium."""
+        ...
+
+    def submit_load(self, job_id: int, keys: Sequence[bytes], rows: Sequence[memoryview]) -> None:
+        """Start reading the record of ``keys[i]`` into the writable ``rows[i]`` (verified before success)."""
+        ...
+
+    def get_finished(self) -> list[TierJobResult]:
+        """Jobs finished since the last call."""
+        ...
+
+    def wait(self, job_ids: Sequence[int], timeout: float | None = None) -> bool:
+        """Block until the named jobs finished (True) or ``timeout`` passed (False)."""
+        ...
+
+    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key has a record (a miss when the tier is unavailable)."""
+        ...
+
+    @property
+    def available(self) -> bool:
+        """False while the tier backs off after a fault."""
+        ...
+
+    def stats(self) -> TierStats:
+        """A copy of the counters."""
+        ...
+
+    def close(self) -> None:
+        """Finish in-flight work and release threads, files and connections."""
+        ...
+
+
+@dataclass(slots=True)
+class _Job:
+    job_id: int
+    is_store: bool
+    num_keys: int
+    started: float
+    pending: int
+    failed: list[int] = field(default_factory=list)
+    num_bytes: int = 0
+
+
+class TierBase:
+    """Thread pools, job tracking, availability back-off and counters shared by the built-in tiers.
+
+    Subclasses split a job into batches (``_batches``) that run on the read or write pool; each batch
+    returns per-item outcomes. An item outcome is the byte count on success, ``None`` for a miss and a
+    :class:`RecordError` for a corrupt record (deleted here); a :class:`TierError` raised by a batch marks
+    the tier unavailable and fails the batch's items.
+    """
+
+    name = "tier"
+
+    def __init__(
+        self,
+        *,
+        n_read_threads: int,
+        n_write_threads: int,
+        retry_backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+    ) -> None:
+        self._readers = ThreadPoolExecutor(max(1, n_read_threads), thread_name_prefix=f"kvo-{self.name}-read")
+        self._writers = ThreadPoolExecutor(max(1, n_write_threads), thread_name_prefix=f"kvo-{self.name}-write")
+        self._n_read = max(1, n_read_threads)
+        self._n_write = max(1, n_write_threads)
+        self._lock = threading.Lock()
+        self._done_cv = threading.Condition(self._lock)
+        self._jobs: dict[int, _Job] = {}
+        self._finished: list[TierJobResult] = []
+        self._stats = TierStats()
+        self._retry_backoff_s = retry_backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._backoff_s = retry_backoff_s
+        self._down_until = 0.0
+        self._closed = False
+
+    # ------------------------------------------------------------------ to implement
+
+    def _store_batch(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> list[int | None]:
+        raise NotImplementedError
+
+    def _load_batch(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> list[int | RecordError | None]:
+        raise NotImplementedError
+
+    def _exists_batch(self, keys: Sequence[bytes]) -> list[bool]:
+        raise NotImplementedError
+
+    def _delete(self, key: bytes) -> None:
+        raise NotImplementedError
+
+    def _batches(self, n: int, *, is_store: bool) -> list[range]:
+        """How a job of ``n`` items is split across the pool (default: evenly over the pool's threads)."""
+        parts = min(n, self._n_write if is_store else self._n_read)
+        if parts <= 1:
+            return [range(n)]
+        step = -(-n // parts)
+        return [range(i, min(n, i + step)) for i in range(0, n, step)]
+
+    # ------------------------------------------------------------------ availability
+
+    @property
+    def available(self) -> bool:
+        """False while the tier backs off after a fault; the first operation after the back-off probes it."""
+        return time.monotonic() >= self._down_until
+
+    def _mark_down(self, exc: BaseException) -> None:
+        with self._lock:
+            self._stats.unavailable_events += 1
+            self._stats.last_error = f"{type(exc).__name__}: {exc}"
+            self._down_until = time.monotonic() + self._backoff_s
+            self._backoff_s = min(self._max_backoff_s, self._backoff_s * 2)
+
+    def _mark_up(self) -> None:
+        if self._backoff_s != self._retry_backoff_s:
+            with self._lock:
+                self._backoff_s = self._retry_backoff_s
+
+    # ------------------------------------------------------------------ jobs
+
+    def submit_store(self, job_id: int, keys: Sequence[bytes], rows: Sequence[memoryview]) -> None:
+        """Start writing ``rows[i]`` as the record of ``keys[i]`` (dropped, counted, while unavailable)."""
+        self._submit(job_id, keys, rows, is_store=True)
+
+    def submit_load(self, job_id: int, keys: Sequence[bytes], rows: Sequence[memoryview]) -> None:
+        """Start reading the records of ``keys`` into ``rows`` (all fail at once while unavailable)."""
+        self._submit(job_id, keys, rows, is_store=False)
+
+    def _submit(self, job_id: int, keys: Sequence[bytes], rows: Sequence[memoryview], *, is_store: bool) -> None:
+        if self._closed:
+            raise InvalidStateError(f"tier {self.name} is closed")
+        if len(keys) != len(rows):
+            raise InvalidStateError(f"tier job {job_id}: {len(keys)} keys but {len(rows)} rows")
+        with self._lock:
+            if job_id in self._jobs:
+                raise InvalidStateError(f"tier job {job_id} is already in flight")
+        n = len(keys)
+        if n == 0 or not self.available:
+            with self._lock:
+                if is_store:
+                    self._stats.stores_dropped += n
+                else:
+                    self._stats.load_misses += n
+                self._finished.append(TierJobResult(job_id, is_store, n, tuple(range(n)), 0, 0.0))
+                self._done_cv.notify_all()
+            return
+        batches = self._batches(n, is_store=is_store)
+        job = _Job(job_id, is_store, n, time.perf_counter(), len(batches))
+        with self._lock:
+            self._jobs[job_id] = job
+        pool = self._writers if is_store else self._readers
+        for part in batches:
+            pool.submit(self._run_batch, job, [keys[i] for i in part], [rows[i] for i in part], part.start)
+
+    def _run_batch(self, job: _Job, keys: list[bytes], rows: list[memoryview], offset: int) -> None:
+        outcomes: list[int | RecordError | None]
+        try:
+            outcomes = list(self._store_batch(keys, rows)) if job.is_store else self._load_batch(keys, rows)
+            self._mark_up()
+        except TierError as exc:
+            self._mark_down(exc)
+            outcomes = [None] * len(keys)
+        except Exception as exc:  # a bug or an unexpected library error must not hang the job
+            self._mark_down(exc)
+            outcomes = [None] * len(keys)
+        corrupt = [k for k, o in zip(keys, outcomes, strict=True) if isinstance(o, RecordError)]
+        for key in corrupt:
+            try:
+                self._delete(key)
+            except Exception as exc:
+                self._mark_down(exc)
+        with self._lock:
+            st = self._stats
+            for i, outcome in enumerate(outcomes):
+                if isinstance(outcome, int):
+                    job.num_bytes += outcome
+                    if job.is_store:
+                        st.stores += 1
+                    else:
+                        st.loads += 1
+                        st.load_hits += 1
+                else:
+                    job.failed.append(offset + i)
+                    if job.is_store:
+                        st.store_failures += 1
+                    else:
+                        st.loads += 1
+                        st.load_misses += 1
+            st.corrupt_records += len(corrupt)
+            job.pending -= 1
+            if job.pending == 0:
+                seconds = time.perf_counter() - job.started
+                if job.is_store:
+                    st.bytes_written += job.num_bytes
+                    st.write_seconds += seconds
+                else:
+                    st.bytes_read += job.num_bytes
+                    st.read_seconds += seconds
+                del self._jobs[job.job_id]
+                self._finished.append(
+                    TierJobResult(
+                        job.job_id, job.is_store, job.num_keys, tuple(sorted(job.failed)), job.num_bytes, seconds
+                    )
+                )
+                self._done_cv.notify_all()
+
+    def get_finished(self) -> list[TierJobResult]:
+        """Jobs finished since the last call."""
+        with self._lock:
+            done, self._finished = self._finished, []
+        return done
+
+    def wait(self, job_ids: Sequence[int], timeout: float | None = None) -> bool:
+        """Block until none of ``job_ids`` is in flight (True) or ``timeout`` seconds passed (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wanted = set(job_ids)
+        with self._done_cv:
+            while wanted & self._jobs.keys():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._done_cv.wait(left)
+        return True
+
+    def in_flight(self) -> int:
+        """Jobs submitted and not finished yet."""
+        with self._lock:
+            return len(self._jobs)
+
+    # ------------------------------------------------------------------ lookups, stats, lifetime
+
+    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key has a record; all misses while unavailable or when the medium fails."""
+        if not keys:
+            return []
+        if not self.available:
+            return [False] * len(keys)
+        try:
+            found = self._exists_batch(keys)
+            self._mark_up()
+        except TierError as exc:
+            self._mark_down(exc)
+            found = [False] * len(keys)
+        with self._lock:
+            self._stats.lookups += len(keys)
+            self._stats.lookup_hits += sum(found)
+        return found
+
+    def stats(self) -> TierStats:
+        """A copy of the counters (``available`` as of now)."""
+        with self._lock:
+            st = self._stats
+            return TierStats(
+                stores=st.stores,
+                stores_dropped=st.stores_dropped,
+                store_failures=st.store_failures,
+                loads=st.loads,
+                load_hits=st.load_hits,
+                load_misses=st.load_misses,
+                corrupt_records=st.corrupt_records,
+                lookups=st.lookups,
+                lookup_hits=st.lookup_hits,
+                evictions=st.evictions,
+                bytes_written=st.bytes_written,
+                bytes_read=st.bytes_read,
+                write_seconds=st.write_seconds,
+                read_seconds=st.read_seconds,
+                unavailable_events=st.unavailable_events,
+                available=self.available,
+                last_error=st.last_error,
+                extra=dict(st.extra),
+            )
+
+    def close(self) -> None:
+        """Let in-flight jobs finish, then stop the thread pools."""
+        if self._closed:
+            return
+        self._closed = True
+        self._writers.shutdown(wait=True)
+        self._readers.shutdown(wait=True)
+
+    def __enter__(self) -> TierBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

