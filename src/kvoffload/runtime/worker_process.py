@@ -160,7 +160,7 @@ def _open_session(spec: WorkerSpec) -> _Session:
             from ..tiers.cascade import TierWorker
 
             tiering = msgspec.json.decode(spec.tiering_json, type=TieringConfig)
-            tiers = TierWorker(tiering, config, pool)
+            tiers = TierWorker(tiering, config, pool, checksums=spec.checksums)
     except BaseException:
         pool.close()
         raise
