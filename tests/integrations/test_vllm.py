@@ -198,3 +198,18 @@ def test_preempted_requests_decode_the_same_tokens(
     assert run["preemptions"] > 0, "the workload did not make vLLM preempt a request"
     assert run["decode_tokens"] == baseline["decode_tokens"]
     assert run["after_decode"]["failed_jobs"] == run["after_evict"]["failed_jobs"]
+
+
+def test_chunk_size_that_is_not_a_block_multiple_is_rounded_up() -> None:
+    from kvoffload import load_snapshot
+    from kvoffload.errors import OffloadingConfigError
+    from kvoffload.integrations.vllm import _fit_chunk_size, _with_extra
+
+    snapshot = load_snapshot(ROOT / "examples" / "llama-3.1-8b-tp2.json")  # vLLM block size 16
+    extra = dict(snapshot.engine_config.kv_transfer_config.kv_connector_extra_config)  # type: ignore[union-attr]
+    odd = _with_extra(snapshot, {**extra, "block_size": 40})
+    with pytest.raises(OffloadingConfigError, match="multiple of the GPU KV cache block size"):
+        translate_snapshot(odd)  # vLLM's rule, unchanged for `kvoffload translate`
+    fitted = translate_snapshot(_fit_chunk_size(odd))
+    assert fitted.cache.blocks_per_chunk == 3  # 48 tokens
+    assert _fit_chunk_size(snapshot) is snapshot  # a multiple already: untouched

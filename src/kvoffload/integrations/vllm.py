@@ -276,6 +276,51 @@ def parse_connector_config(extra: Mapping[str, object]) -> VLLMConnectorConfig:
     return options
 
 
+def _fit_chunk_size(snapshot: EngineSnapshot) -> EngineSnapshot:
+    """Round a ``block_size`` (tokens per chunk) that is not a multiple of vLLM's block size up to one.
+
+    vLLM's translator refuses such a value, yet vLLM's block size depends on the backend (16 on CUDA, 128 on
+    CPU), so a config written for one engine would stop another from starting. The connector uses the next
+    multiple instead and says so in the log; ``kvoffload translate`` on the raw snapshot still applies vLLM's
+    rule, and the connector's adjusted snapshot is ``KVOffloadConnector.snapshot``.
+    """
+    transfer = snapshot.engine_config.kv_transfer_config
+    if transfer is None:
+        return snapshot
+    extra = dict(transfer.kv_connector_extra_config)
+    wanted = extra.get("block_size")
+    if not isinstance(wanted, int) or isinstance(wanted, bool) or wanted <= 0:
+        return snapshot
+    probe_extra = {k: v for k, v in extra.items() if k not in ("block_size", "blocks_per_chunk")}
+    try:
+        probe = translate_snapshot(_with_extra(snapshot, probe_extra))
+    except ConfigError:
+        return snapshot  # the real translation reports the problem
+    sizes = {g.tokens_per_block for g in probe.groups}
+    if len(sizes) != 1:
+        return snapshot
+    engine_block = sizes.pop()
+    if wanted % engine_block == 0:
+        return snapshot
+    fitted = -(-wanted // engine_block) * engine_block
+    logger.warning(
+        "kvoffload: kv_connector_extra_config['block_size']=%d is not a multiple of vLLM's KV block size (%d "
+        "tokens); offloading chunks of %d tokens instead",
+        wanted,
+        engine_block,
+        fitted,
+    )
+    return _with_extra(snapshot, {**extra, "block_size": fitted})
+
+
+def _with_extra(snapshot: EngineSnapshot, extra: dict[str, object]) -> EngineSnapshot:
+    engine = snapshot.engine_config
+    if engine.kv_transfer_config is None:
+        return snapshot
+    transfer = msgspec.structs.replace(engine.kv_transfer_config, kv_connector_extra_config=extra)
+    return msgspec.structs.replace(snapshot, engine_config=msgspec.structs.replace(engine, kv_transfer_config=transfer))
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Messages between the halves (ride on vLLM's own transport as kvoffload wire bytes)
 # ------------------------------------------------------------------------------------------------------------
@@ -696,7 +741,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: VllmKVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         options = parse_connector_config(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-        self.snapshot = snapshot_from_vllm(vllm_config, kv_cache_config)
+        self.snapshot = _fit_chunk_size(snapshot_from_vllm(vllm_config, kv_cache_config))
         self.offloading_config = translate_snapshot(self.snapshot)
         self.options = options
         if options.load_mode is LoadMode.SYNC and len(kv_cache_config.kv_cache_groups) > 1:
