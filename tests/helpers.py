@@ -1,17 +1,23 @@
-"""Builders shared by the tests: a plain OffloadingConfig and a TransferJob, with only what a test varies."""
+"""Builders shared by the tests: a plain OffloadingConfig and a TransferJob, with only what a test varies, and
+the scheduler's view of a KV cache config."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import msgspec
+
 from kvoffload import (
+    KVCacheConfig,
     OffloadingCacheConfig,
     OffloadingConfig,
     OffloadingGroupConfig,
     OffloadingModelConfig,
     OffloadingParallelConfig,
     TransferJob,
+    UniformTypeKVCacheSpecs,
 )
+from kvoffload._page_math import first_layer_spec
 from kvoffload.packed import pack_int32, pack_int64
 
 
@@ -66,3 +72,17 @@ def transfer_job(job_id: int, blocks: Sequence[int], chunks: Sequence[int], *, f
         block_ids=pack_int64(blocks),
         chunk_ids=pack_int64(chunks),
     )
+
+
+def flatten_for_scheduler(kv_cache_config: KVCacheConfig) -> KVCacheConfig:
+    """The scheduler's view of a worker's KV cache config: each ``uniform_type`` group spec is replaced by its
+    first layer spec (vLLM's ``generate_scheduler_kv_cache_config``); everything else is kept."""
+    if not any(isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) for g in kv_cache_config.kv_cache_groups):
+        return kv_cache_config
+    groups = tuple(
+        msgspec.structs.replace(g, kv_cache_spec=first_layer_spec(g.kv_cache_spec))
+        if isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs)
+        else g
+        for g in kv_cache_config.kv_cache_groups
+    )
+    return msgspec.structs.replace(kv_cache_config, kv_cache_groups=groups)

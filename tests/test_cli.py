@@ -14,7 +14,8 @@ import pytest
 
 from kvoffload import ConfigError, codecs
 from kvoffload.cli import main, to_toml
-from kvoffload.translate import load_snapshot, translate_snapshot
+from kvoffload.snapshot import load_snapshot
+from kvoffload.translate import translate_snapshot
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.json"))
 

@@ -42,17 +42,16 @@ from kvoffload import (
     UniformTypeKVCacheSpecs,
     codecs,
 )
-from kvoffload.layout import flatten_for_scheduler
+from kvoffload._explain import Explanation, describe_error
+from kvoffload.snapshot import load_snapshot
 from kvoffload.translate import (
-    Explanation,
     build_offloading_config,
-    describe_error,
     explain_offloading_config,
     explain_snapshot,
-    load_snapshot,
     translate_snapshot,
 )
 from tests.conftest import load_cases
+from tests.helpers import flatten_for_scheduler
 
 # ------------------------------------------------------------------------------------------------------------
 # recorded cases answered by vLLM 0.33.0 (tests/data/translate_cases.jsonl)

@@ -10,6 +10,7 @@ scheduler process stays light.
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from . import wire
+from ._explain import Decision, Explanation
 from ._generated import (
     SCHEMA_FINGERPRINT,
     SCHEMA_VERSION,
@@ -89,14 +90,8 @@ from .packed import (
     unpack_int32,
     unpack_int64,
 )
-from .translate import (
-    Decision,
-    Explanation,
-    build_offloading_config,
-    explain_offloading_config,
-    load_snapshot,
-    translate_snapshot,
-)
+from .snapshot import load_snapshot
+from .translate import build_offloading_config, explain_offloading_config, translate_snapshot
 
 if _TYPE_CHECKING:
     from .offload.copy_engine import CopyEngine, TransferLayout, TransferResult, transfer_layout_from_config

@@ -28,11 +28,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 import msgspec
 
+from ._explain import describe_error
 from ._generated import SCHEMA_FINGERPRINT, SCHEMA_VERSION, codecs
 from ._generated.types import EngineSnapshot, OffloadingConfig
 from .errors import ConfigError, KVOffloadError
 from .runnable import validate_runnable
-from .translate import DEFAULT_MAX_SNAPSHOT_BYTES, describe_error, explain_snapshot, load_snapshot
+from .snapshot import DEFAULT_MAX_SNAPSHOT_BYTES, load_snapshot
+from .translate import explain_snapshot
 
 __all__ = ["main"]
 

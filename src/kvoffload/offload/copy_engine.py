@@ -192,7 +192,7 @@ def transfer_layout_from_config(kv_cache_config: KVCacheConfig, config: Offloadi
     (``layout.real_page_size_bytes`` of its own spec, a ``uniform_type`` wrapper's entry for that layer).
     """
     from kvoffload._generated import UniformTypeKVCacheSpecs
-    from kvoffload.layout import real_page_size_bytes
+    from kvoffload._page_math import real_page_size_bytes
 
     groups: list[list[tuple[str, int]]] = []
     for group in config.groups:

@@ -1,5 +1,5 @@
-"""Page-size formulas, spec helpers and block-size resolution (reference §1-§2), with the reference's worked
-examples and every branch and error text of ``resolve_kv_cache_block_sizes``."""
+"""Page-size formulas, spec helpers, group selection and block-size resolution as vLLM 0.33 computes them, with
+worked examples from vLLM's specs and every branch and error text of ``resolve_kv_cache_block_sizes``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import pytest
 
 from kvoffload import (
     CacheConfig,
-    CacheDType,
     ChunkedLocalAttentionSpec,
     ConfigError,
     DType,
@@ -28,7 +27,9 @@ from kvoffload import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from kvoffload import layout as L
+from kvoffload import _page_math as L
+from kvoffload.translate import offloading_group_ids
+from tests.helpers import flatten_for_scheduler
 
 # ------------------------------------------------------------------------------------------------------------
 # builders
@@ -109,52 +110,10 @@ def test_quant_mode_predicates() -> None:
         KVQuantMode.FP8_PER_TOKEN_HEAD,
         KVQuantMode.INT4_PER_TOKEN_HEAD,
     }
-    assert [m for m in KVQuantMode if L.is_nvfp4(m)] == [KVQuantMode.NVFP4]
-    assert {m for m in KVQuantMode if L.is_turboquant(m)} == {m for m in KVQuantMode if m.startswith("turboquant")}
-    assert {m for m in KVQuantMode if L.is_octave(m)} == {m for m in KVQuantMode if m.startswith("octave")}
-    assert [m for m in KVQuantMode if L.is_ultraquant(m)] == [KVQuantMode.ULTRAQUANT_4BIT]
-    # CUSTOM is vLLM's alias of OCTAVE_K3V4: both predicates hold for both names.
-    assert KVQuantMode.CUSTOM is KVQuantMode.OCTAVE_K3V4  # type: ignore[comparison-overlap]
-    assert L.is_custom_mode(KVQuantMode.OCTAVE_K3V4) and L.is_octave(KVQuantMode.CUSTOM)
-    assert len(list(KVQuantMode)) == 15
-    assert not L.is_quantized(KVQuantMode.NONE) and L.is_quantized(KVQuantMode.FP8_PER_TENSOR)
-
-
-@pytest.mark.parametrize(
-    ("cache_dtype", "mode"),
-    [
-        ("auto", KVQuantMode.NONE),
-        ("float16", KVQuantMode.NONE),
-        ("bfloat16", KVQuantMode.NONE),
-        ("fp8", KVQuantMode.FP8_PER_TENSOR),
-        ("fp8_e4m3", KVQuantMode.FP8_PER_TENSOR),
-        ("fp8_e5m2", KVQuantMode.FP8_PER_TENSOR),
-        ("fp8_inc", KVQuantMode.FP8_PER_TENSOR),
-        ("fp8_ds_mla", KVQuantMode.FP8_PER_TENSOR),
-        ("nvfp4_ds_mla", KVQuantMode.NVFP4_DS_MLA),
-        ("nvfp4", KVQuantMode.NVFP4),
-        ("nvfp4_4over6", KVQuantMode.NVFP4),
-        ("turboquant_k8v4", KVQuantMode.TURBOQUANT_K8V4),
-        ("octave_k3v3_compact", KVQuantMode.OCTAVE_K3V3_COMPACT),
-        ("ultraquant_4bit", KVQuantMode.ULTRAQUANT_4BIT),
-        ("int4_per_token_head", KVQuantMode.INT4_PER_TOKEN_HEAD),
-        ("int8_per_token_head", KVQuantMode.INT8_PER_TOKEN_HEAD),
-        ("fp8_per_token_head", KVQuantMode.FP8_PER_TOKEN_HEAD),
-    ],
-)
-def test_kv_quant_mode_for_cache_dtype(cache_dtype: str, mode: KVQuantMode) -> None:
-    assert L.kv_quant_mode_for_cache_dtype(cache_dtype) is mode
-
-
-def test_kv_quant_mode_covers_every_cache_dtype_and_rejects_unknown_suffix() -> None:
-    for value in CacheDType:
-        L.kv_quant_mode_for_cache_dtype(value)
-    with pytest.raises(ConfigError, match="octave_k9"):
-        L.kv_quant_mode_for_cache_dtype("octave_k9")
 
 
 # ------------------------------------------------------------------------------------------------------------
-# page sizes (worked examples of reference §1)
+# page sizes (worked examples)
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -282,10 +241,8 @@ def test_offloading_group_selection() -> None:
         bounded_replay=True,
     )
     config = kv(group(full()), group(full(), enable_kv_transfer=False), group(bounded), group(mamba()))
-    assert L.transfer_group_ids(config) == (0, 2, 3)
-    assert L.prefix_cacheable_group_ids(config) == (0, 3)
     notes: list[tuple[str, object, str]] = []
-    assert L.offloading_group_ids(config, lambda t, v, r: notes.append((t, v, r))) == (0, 3)
+    assert offloading_group_ids(config, lambda t, v, r: notes.append((t, v, r))) == (0, 3)
     assert ("group[1].selected", False, "enable_kv_transfer is False") in notes
     assert any(t == "group[2].selected" and "bounded_replay" in r for t, _, r in notes)
 
@@ -294,21 +251,21 @@ def test_offloading_group_selection() -> None:
         group(mla(head=128), "indexer", role=KVCacheGroupRole.HISPARSE_INDEXER, enable_kv_transfer=False),
         hisparse_host_num_blocks=4,
     )
-    assert L.offloading_group_ids(hisparse) == (1,)
+    assert offloading_group_ids(hisparse) == (1,)
 
 
-def test_group_bytes_and_scheduler_flattening() -> None:
+def test_group_bytes_in_both_views() -> None:
     layers: dict[str, KVCacheSpec] = {"a": mla(16, 576), "b": mla(16, 576)}
     wrapped = group(UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=layers), "a", "b")
     assert L.group_kv_bytes_per_block(wrapped) == 2 * 18432
     config = kv(wrapped, group(mamba(), "m0", "m1"))
-    flat = L.flatten_for_scheduler(config)
+    flat = flatten_for_scheduler(config)
     assert flat.kv_cache_groups[0].kv_cache_spec == mla(16, 576)
     assert flat.kv_cache_groups[1] == config.kv_cache_groups[1]
     assert L.group_kv_bytes_per_block(flat.kv_cache_groups[0]) == L.group_kv_bytes_per_block(wrapped)
     assert L.group_kv_bytes_per_block(config.kv_cache_groups[1]) == 2 * 64
     plain = kv(group(full()))
-    assert L.flatten_for_scheduler(plain) is plain
+    assert flatten_for_scheduler(plain) is plain
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -2,16 +2,16 @@
 
 Every function here is a small, pure function over the generated spec types of ``kvoffload._generated``:
 vLLM keeps this logic in properties of its spec dataclasses (``page_size_bytes``, ``prefix_cacheable``, ...);
-our specs are plain msgspec Structs, so the same formulas live here as free functions. The formulas follow the
-reference (``vllm-0.33-offloading.md`` §1-§2): a page holds ``num_heads * (block_size // tokens_per_state)``
-states of ``state_content_size_bytes`` each, padded to ``page_size_padded`` when set; MLA-family specs pad to
-their ``alignment``; a Mamba page is the sum of its state tensors; a ``uniform_type`` page is the sum of its
-layers' pages.
+our specs are plain msgspec Structs, so the same formulas live here as free functions. An attention page holds
+``num_heads * (block_size // tokens_per_state)`` states of ``(head_size + head_size_v) * dtype_size`` bytes
+each (or ``state_content_bytes``), padded to ``page_size_padded`` when set; MLA-family specs pad to their
+``alignment``; a Mamba page is the sum of ``prod(shape) * dtype_size`` over its state tensors; a
+``uniform_type`` page is the sum of its layers' pages.
 
-Block-size resolution (:func:`resolve_kv_cache_block_sizes`) and the selection of offloaded groups
-(:func:`offloading_group_ids`) are the two helpers the translator calls; both accept an optional
-:class:`DecisionSink` so ``explain_offloading_config`` can record why each value came out as it did without a
-second copy of the logic.
+Block-size resolution (:func:`resolve_kv_cache_block_sizes`) and windows measured in chunks
+(:func:`sliding_window_size_in_chunks`) are the two translator rules that live here, next to the formulas they
+use; block-size resolution accepts an optional :class:`~kvoffload._explain.DecisionSink` so
+``explain_offloading_config`` can record why ``tokens_per_hash`` came out as it did.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Final, Protocol, TypeAlias
+from typing import Final
 
-import msgspec
-
+from ._explain import DecisionSink, bare_assertion, discard
 from ._generated.types import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -30,7 +29,6 @@ from ._generated.types import (
     EngineConfig,
     FullAttentionSpec,
     KVCacheConfig,
-    KVCacheGroupRole,
     KVCacheGroupSpec,
     KVCacheSpec,
     KVQuantMode,
@@ -44,32 +42,20 @@ from .errors import ConfigError, OffloadingConfigError
 
 __all__ = [
     "DTYPE_SIZES",
-    "DecisionSink",
-    "DecisionValue",
     "cdiv",
     "dcp_sharded",
     "dtype_size",
     "first_layer_spec",
-    "flatten_for_scheduler",
     "group_kv_bytes_per_block",
     "head_size_v",
-    "is_custom_mode",
-    "is_nvfp4",
-    "is_octave",
     "is_per_token_head",
-    "is_quantized",
-    "is_turboquant",
-    "is_ultraquant",
     "iter_layer_specs",
-    "kv_quant_mode_for_cache_dtype",
     "num_heads",
     "num_states",
-    "offloading_group_ids",
     "page_size_bytes",
     "page_size_padded",
     "partial_hash_hits_enabled",
     "prefix_cacheable",
-    "prefix_cacheable_group_ids",
     "real_page_size_bytes",
     "resolve_dcp_kv_block_size",
     "resolve_kv_cache_block_sizes",
@@ -77,27 +63,8 @@ __all__ = [
     "sliding_window_size_in_chunks",
     "spec_kind",
     "state_content_size_bytes",
-    "transfer_group_ids",
     "unpadded_page_size_bytes",
 ]
-
-# ----------------------------------------------------------------------------------------------------
-# Decision recording (used by explain; a no-op by default)
-# ----------------------------------------------------------------------------------------------------
-
-DecisionValue: TypeAlias = str | int | bool | tuple[int, ...] | tuple[str, ...] | None
-"""The value a recorded decision settled on: a number, flag, name, or a tuple of ids or names."""
-
-
-class DecisionSink(Protocol):
-    """Receives ``(topic, value, reason)`` for each decision the translator takes (see ``explain``)."""
-
-    def __call__(self, topic: str, value: DecisionValue, reason: str, /) -> None: ...
-
-
-def _ignore(topic: str, value: DecisionValue, reason: str, /) -> None:
-    """The default sink: decisions are computed on the same path but not kept."""
-
 
 # ----------------------------------------------------------------------------------------------------
 # Math (vLLM utils/math_utils.py)
@@ -144,77 +111,11 @@ def dtype_size(dtype: DType) -> int:
 _PER_TOKEN_HEAD: Final = frozenset(
     {KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD, KVQuantMode.INT4_PER_TOKEN_HEAD}
 )
-_OCTAVE: Final = frozenset({KVQuantMode.OCTAVE_K3V4, KVQuantMode.OCTAVE_K3V3, KVQuantMode.OCTAVE_K3V3_COMPACT})
-_TURBOQUANT: Final = frozenset(
-    {
-        KVQuantMode.TURBOQUANT_K8V4,
-        KVQuantMode.TURBOQUANT_4BIT_NC,
-        KVQuantMode.TURBOQUANT_K3V4_NC,
-        KVQuantMode.TURBOQUANT_3BIT_NC,
-    }
-)
 
 
 def is_per_token_head(mode: KVQuantMode) -> bool:
     """Whether pages carry per-token, per-head scales (int8/fp8/int4 per-token-head): never portable."""
     return mode in _PER_TOKEN_HEAD
-
-
-def is_nvfp4(mode: KVQuantMode) -> bool:
-    """``KVQuantMode.is_nvfp4``: NVFP4 only (not NVFP4_DS_MLA)."""
-    return mode is KVQuantMode.NVFP4
-
-
-def is_octave(mode: KVQuantMode) -> bool:
-    """``KVQuantMode.is_octave``: any OCTAVE_* member (CUSTOM is the OCTAVE_K3V4 alias, so it counts)."""
-    return mode in _OCTAVE
-
-
-def is_turboquant(mode: KVQuantMode) -> bool:
-    """``KVQuantMode.is_turboquant``: any TURBOQUANT_* member."""
-    return mode in _TURBOQUANT
-
-
-def is_ultraquant(mode: KVQuantMode) -> bool:
-    """``KVQuantMode.is_ultraquant``: ULTRAQUANT_4BIT only."""
-    return mode is KVQuantMode.ULTRAQUANT_4BIT
-
-
-def is_custom_mode(mode: KVQuantMode) -> bool:
-    """``KVQuantMode.is_custom_mode``: CUSTOM, which vLLM aliases to OCTAVE_K3V4 (so that is custom too)."""
-    return mode is KVQuantMode.CUSTOM
-
-
-def is_quantized(mode: KVQuantMode) -> bool:
-    """vLLM's ``is_quantized_kv_cache``: any mode other than NONE."""
-    return mode is not KVQuantMode.NONE
-
-
-def kv_quant_mode_for_cache_dtype(cache_dtype: str) -> KVQuantMode:
-    """vLLM's ``get_kv_quant_mode``: the quantization mode a ``--kv-cache-dtype`` string implies.
-
-    First match wins: the three per-token-head names; ``nvfp4_ds_mla``; any ``nvfp4*``; ``turboquant_*`` and
-    ``octave_*`` by name (an unknown suffix is a ConfigError, where vLLM raises KeyError);
-    ``ultraquant_4bit``; any ``fp8*``; everything else (auto, float16, bfloat16) is NONE. Custom dtype
-    handlers are not modelled.
-    """
-    s = str(cache_dtype)
-    if s in ("int4_per_token_head", "int8_per_token_head", "fp8_per_token_head"):
-        return KVQuantMode(s)
-    if s == "nvfp4_ds_mla":
-        return KVQuantMode.NVFP4_DS_MLA
-    if s.startswith("nvfp4"):
-        return KVQuantMode.NVFP4
-    if s.startswith(("turboquant_", "octave_")):
-        try:
-            return KVQuantMode(s)
-        except ValueError:
-            raise ConfigError(f"cache_dtype={s!r} names no KVQuantMode member") from None
-    if s == "ultraquant_4bit":
-        return KVQuantMode.ULTRAQUANT_4BIT
-    if s.startswith("fp8"):
-        return KVQuantMode.FP8_PER_TENSOR
-    return KVQuantMode.NONE
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -345,60 +246,8 @@ def page_size_bytes(spec: KVCacheSpec) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Groups
+# Group bytes
 # ----------------------------------------------------------------------------------------------------
-
-
-def transfer_group_ids(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
-    """Ids of groups connectors may transfer (``enable_kv_transfer``), in group order."""
-    return tuple(i for i, g in enumerate(kv_cache_config.kv_cache_groups) if g.enable_kv_transfer)
-
-
-def prefix_cacheable_group_ids(kv_cache_config: KVCacheConfig) -> tuple[int, ...]:
-    """Ids of transferable groups whose spec is prefix-cacheable, in group order."""
-    return tuple(
-        i
-        for i, g in enumerate(kv_cache_config.kv_cache_groups)
-        if g.enable_kv_transfer and prefix_cacheable(g.kv_cache_spec)
-    )
-
-
-def offloading_group_ids(kv_cache_config: KVCacheConfig, note: DecisionSink = _ignore) -> tuple[int, ...]:
-    """Groups the offloading connector moves (vLLM's ``get_offloading_group_ids``).
-
-    Without HiSparse (``hisparse_host_num_blocks`` is None): the prefix-cacheable transferable groups. With
-    HiSparse: the ``hisparse_indexer`` groups, whatever their other flags. Every group left out is recorded
-    with the reason.
-    """
-    groups = kv_cache_config.kv_cache_groups
-    if kv_cache_config.hisparse_host_num_blocks is None:
-        selected = prefix_cacheable_group_ids(kv_cache_config)
-        for i, g in enumerate(groups):
-            if i in selected:
-                continue
-            if not g.enable_kv_transfer:
-                why = "enable_kv_transfer is False"
-            else:
-                why = f"its {spec_kind(g.kv_cache_spec)} spec is not prefix-cacheable"
-                if isinstance(g.kv_cache_spec, SlidingWindowMLASpec):
-                    why += " (bounded_replay=True)"
-            note(f"group[{i}].selected", False, why)
-        note(
-            "groups",
-            selected,
-            "hisparse_host_num_blocks is None: the transferable (enable_kv_transfer) prefix-cacheable groups",
-        )
-        return selected
-    selected = tuple(i for i, g in enumerate(groups) if g.role is KVCacheGroupRole.HISPARSE_INDEXER)
-    for i, g in enumerate(groups):
-        if i not in selected:
-            note(f"group[{i}].selected", False, f"HiSparse is on and its role is {g.role.value!r}")
-    note(
-        "groups",
-        selected,
-        f"hisparse_host_num_blocks={kv_cache_config.hisparse_host_num_blocks}: only the hisparse_indexer groups",
-    )
-    return selected
 
 
 def group_kv_bytes_per_block(group: KVCacheGroupSpec) -> int:
@@ -411,20 +260,6 @@ def group_kv_bytes_per_block(group: KVCacheGroupSpec) -> int:
     if isinstance(spec, UniformTypeKVCacheSpecs):
         return page_size_bytes(spec)
     return page_size_bytes(spec) * len(group.layer_names)
-
-
-def flatten_for_scheduler(kv_cache_config: KVCacheConfig) -> KVCacheConfig:
-    """The scheduler's view of a worker's KV cache config: each ``uniform_type`` group spec is replaced by its
-    first layer spec (vLLM's ``generate_scheduler_kv_cache_config``); everything else is kept."""
-    if not any(isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) for g in kv_cache_config.kv_cache_groups):
-        return kv_cache_config
-    groups = tuple(
-        msgspec.structs.replace(g, kv_cache_spec=first_layer_spec(g.kv_cache_spec))
-        if isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs)
-        else g
-        for g in kv_cache_config.kv_cache_groups
-    )
-    return msgspec.structs.replace(kv_cache_config, kv_cache_groups=groups)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -454,7 +289,7 @@ def partial_hash_hits_enabled(groups: Sequence[KVCacheGroupSpec], hash_block_siz
 def resolve_kv_cache_block_sizes(
     kv_cache_config: KVCacheConfig,
     engine_config: EngineConfig,
-    note: DecisionSink = _ignore,
+    note: DecisionSink = discard,
 ) -> tuple[int, int]:
     """``(scheduler_block_size, hash_block_size)`` in tokens, exactly as vLLM 0.33 resolves them.
 
@@ -563,24 +398,17 @@ def sliding_window_size_in_chunks(spec: KVCacheSpec, tokens_per_chunk: int) -> i
         )
     if isinstance(spec, SlidingWindowSpec):
         if spec.sliding_window <= 0:
-            raise _bare_assertion(f"sliding_window={spec.sliding_window} must be > 0")
+            raise bare_assertion(f"sliding_window={spec.sliding_window} must be > 0")
         return max(
             cdiv(spec.sliding_window, tokens_per_chunk),
             cdiv(spec.sliding_window - 1 + spec.extra_retained_tokens, tokens_per_chunk),
         )
     if isinstance(spec, ChunkedLocalAttentionSpec):
         if spec.attention_chunk_size <= 0:
-            raise _bare_assertion(f"attention_chunk_size={spec.attention_chunk_size} must be > 0")
+            raise bare_assertion(f"attention_chunk_size={spec.attention_chunk_size} must be > 0")
         return cdiv(spec.attention_chunk_size, tokens_per_chunk)
     if isinstance(spec, MambaSpec):
         return 1
     if isinstance(spec, FullAttentionSpec):
         return None
-    raise _bare_assertion(f"a {spec_kind(spec)} layer spec is not a full-attention spec")
-
-
-def _bare_assertion(detail: str) -> OffloadingConfigError:
-    """vLLM's bare ``assert``: AssertionError with an empty message; our detail travels as a PEP 678 note."""
-    err = OffloadingConfigError("", vllm_exception="AssertionError")
-    err.add_note(detail)
-    return err
+    raise bare_assertion(f"a {spec_kind(spec)} layer spec is not a full-attention spec")
