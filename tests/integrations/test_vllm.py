@@ -213,3 +213,18 @@ def test_chunk_size_that_is_not_a_block_multiple_is_rounded_up() -> None:
     fitted = translate_snapshot(_fit_chunk_size(odd))
     assert fitted.cache.blocks_per_chunk == 3  # 48 tokens
     assert _fit_chunk_size(snapshot) is snapshot  # a multiple already: untouched
+
+
+def test_disk_tier_serves_a_new_engine_after_restart(
+    baseline: dict[str, Any], tiny_model: Path, tmp_path: Path
+) -> None:
+    first = _run("tiers-store", tiny_model, tmp_path)
+    assert first["tokens"] == baseline["tokens"]
+    assert not first["pending"], "stores and cascades did not finish"
+    assert first["cascaded"] > 0
+    second = _run("tiers-reload", tiny_model, tmp_path)  # a new engine process, an empty host pool
+    assert second["tokens"] == baseline["tokens"]
+    assert second["promoted"] > 0
+    assert second["cached"][0] > 0, "the first prompt of the new engine was not served from disk"
+    assert second["stats"]["tokens_loaded"] > 0
+    assert second["stats"]["failed_jobs"] == 0
