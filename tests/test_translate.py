@@ -1,5 +1,5 @@
 """The translator against released vLLM 0.33.0's answers, every rule and error text of the seed, the
-reference's translator scenarios (§6A), wrapped-vs-flattened invariance, explain, snapshot loading, and a
+scenarios of vLLM's own translator unit tests, wrapped-vs-flattened invariance, explain, snapshot loading, and a
 property test: any snapshot that decodes translates or raises a ConfigError, nothing else."""
 
 from __future__ import annotations
@@ -377,7 +377,7 @@ def test_sliding_window_size_in_chunks_per_group() -> None:
 
 
 def test_worker_bytes_from_the_backing_allocation() -> None:
-    # §6A: 2 layers x 8 B x 4 blocks in one tensor, block_size=32 extra, TP3 x PP2.
+    # vLLM unit-test scenario: 2 layers x 8 B x 4 blocks in one tensor, block_size=32 extra, TP3 x PP2.
     spec = full(16, 1, 1, dtype=DType.INT8)
     for tensors in (
         (KVCacheTensor(size=64, layers=("a", "b"), layer_stride=32, block_stride=8),),
@@ -450,7 +450,7 @@ def test_model_dtype_events_and_verbatim_fields() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# §6A translator scenarios
+# scenarios of vLLM's translator unit tests
 # ------------------------------------------------------------------------------------------------------------
 
 
