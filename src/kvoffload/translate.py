@@ -66,7 +66,6 @@ __all__ = [
     "build_offloading_config",
     "explain_offloading_config",
     "explain_snapshot",
-    "offloading_group_ids",
     "translate_snapshot",
 ]
 
