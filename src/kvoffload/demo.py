@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -43,7 +44,11 @@ from .runtime.cluster import WorkerCluster
 from .runtime.sim_engine import block_seed
 from .translate import translate_snapshot
 
-__all__ = ["DemoOptions", "DemoResult", "default_snapshot", "run_demo"]
+if TYPE_CHECKING:
+    from .events import KVEventPublisher
+    from .metrics import SchedulerMetrics
+
+__all__ = ["DemoOptions", "DemoResult", "default_snapshot", "render_misses", "run_demo"]
 
 MiB = 1 << 20
 
@@ -131,6 +136,10 @@ class DemoResult:
     wall_seconds: float = 0.0
     host_chunks_filled: int = 0
     host_chunks: int = 0
+    lookup_miss_reasons: dict[str, int] = field(default_factory=dict)
+    chunk_miss_reasons: dict[str, int] = field(default_factory=dict)
+    events_published: int = 0
+    events_dropped: int = 0
 
     @property
     def ok(self) -> bool:
@@ -207,12 +216,20 @@ class _Workload:
 
 
 class _Demo:
-    def __init__(self, snapshot: EngineSnapshot, options: DemoOptions) -> None:
+    def __init__(
+        self,
+        snapshot: EngineSnapshot,
+        options: DemoOptions,
+        metrics: SchedulerMetrics | None = None,
+        events: KVEventPublisher | None = None,
+    ) -> None:
         self.options = options
+        self.metrics = metrics
+        self.events = events
         self.config: OffloadingConfig = translate_snapshot(snapshot)
         policy = self.config.extra_config.get("eviction_policy", "lru")
         self.num_chunks = plan_host_pool_from_config(self.config).num_chunks
-        self.manager = HostBlockManager(self.num_chunks, str(policy))
+        self.manager = HostBlockManager(self.num_chunks, str(policy), enable_events=events is not None)
         self.sched = OffloadScheduler(self.config, self.manager)
         self.groups = self.config.groups
         self.tph = self.config.cache.tokens_per_hash
@@ -323,6 +340,16 @@ class _Demo:
             if req.num_computed < req.prompt_len or any(req is c[0] for c in computes):
                 continue
             self._decode(req)
+        self.observe()
+
+    def observe(self) -> None:
+        """Publish this step's KV events and bring the metrics up to date."""
+        if self.events is not None:
+            self.events.publish(self.sched.take_events())
+        if self.metrics is not None:
+            if self.events is not None:
+                self.metrics.record_event_batches(self.events.sent, self.events.dropped)
+            self.metrics.observe(self.sched)
 
     def _decode(self, req: _Request) -> None:
         req.tokens.append(random.Random(f"{req.req_id}:{len(req.tokens)}").randrange(1, 32000))
@@ -358,13 +385,18 @@ def run_demo(
     *,
     progress: bool = True,
     max_steps: int = 100_000,
+    metrics: SchedulerMetrics | None = None,
+    metrics_dir: str | None = None,
+    events: KVEventPublisher | None = None,
 ) -> DemoResult:
     """Run the demo workload on ``snapshot`` with one worker process per rank; returns what it measured.
 
     Raises HostMemoryError before starting any process when the workers' KV memory and host pools would
     not fit in this machine's available memory (real-size snapshots need a real-size machine).
+    ``metrics`` is updated after every step; workers record their transfer metrics under ``metrics_dir``
+    (prometheus_client multiprocess mode); ``events`` publishes the pool's KV events after every step.
     """
-    demo = _Demo(snapshot, options)
+    demo = _Demo(snapshot, options, metrics, events)
     _check_memory(snapshot, demo.config)
     started = time.perf_counter()
     cluster = WorkerCluster(
@@ -373,6 +405,7 @@ def run_demo(
         simulate=True,
         step_timeout_s=options.step_timeout_s,
         memcpy_probe_bytes=options.memcpy_probe_bytes,
+        metrics_dir=metrics_dir,
     )
     bar = _progress(options.requests) if progress else None
     cluster.start()
@@ -386,6 +419,7 @@ def run_demo(
         if bar is not None:
             bar.close()
     demo.sched.on_worker_reports(final.reports)
+    demo.observe()
     probes = [struct.unpack("<d", bytes(extras[0]))[0] for extras in final.attachments.values() if extras]
     stats = demo.sched.stats()
     result = demo.result
@@ -393,6 +427,10 @@ def run_demo(
     result.store_seconds, result.load_seconds = stats.store_seconds, stats.load_seconds
     result.memcpy_gbps = sum(probes) / len(probes) if probes else 0.0
     result.host_chunks_filled = len(demo.manager)
+    result.lookup_miss_reasons = {str(k): v for k, v in stats.lookup_miss_reasons.items()}
+    result.chunk_miss_reasons = {str(k): v for k, v in stats.chunk_miss_reasons.items()}
+    if events is not None:
+        result.events_published, result.events_dropped = events.sent, events.dropped
     result.wall_seconds = time.perf_counter() - started
     if demo.result.steps >= max_steps:
         raise RuntimeError(f"the demo did not finish within {max_steps} steps")
@@ -457,6 +495,7 @@ def render_result(result: DemoResult) -> str:
         ("prompt tokens loaded from host", f"{result.tokens_loaded}"),
         ("prompt tokens recomputed", f"{result.tokens_recomputed}"),
         ("host pool chunks filled at end", f"{result.host_chunks_filled} of {result.host_chunks}"),
+        ("bytes stored / loaded", f"{result.bytes_stored} / {result.bytes_loaded}"),
         ("store GB/s", f"{result.store_gbps:.2f}"),
         ("load GB/s", f"{result.load_gbps:.2f}"),
         ("plain memcpy GB/s (same run)", f"{result.memcpy_gbps:.2f}"),
@@ -473,6 +512,31 @@ def render_result(result: DemoResult) -> str:
     ]
     for name, value in rows:
         table.add_row(name, value)
+    out = StringIO()
+    Console(file=out, width=100, force_terminal=False).print(table)
+    return out.getvalue()
+
+
+def render_misses(result: DemoResult) -> str:
+    """The miss breakdown (``kvoffload demo --explain-misses``): lookups and chunks per MissReason."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from ._generated import MissReason
+
+    table = Table(title="why lookups missed", show_header=True)
+    table.add_column("reason")
+    table.add_column("lookups (nothing loaded)", justify="right")
+    table.add_column("chunks not loaded", justify="right")
+    for reason in MissReason:
+        table.add_row(
+            reason.value,
+            f"{result.lookup_miss_reasons.get(reason.value, 0)}",
+            f"{result.chunk_miss_reasons.get(reason.value, 0)}",
+        )
+    table.add_row("total", f"{sum(result.lookup_miss_reasons.values())}", f"{sum(result.chunk_miss_reasons.values())}")
     out = StringIO()
     Console(file=out, width=100, force_terminal=False).print(table)
     return out.getvalue()

@@ -17,6 +17,7 @@ from collections.abc import Collection, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
+from kvoffload._generated import MissReason
 from kvoffload.errors import ConfigError, InvalidStateError
 from kvoffload.offload.policy import CachePolicy, make_policy
 
@@ -122,12 +123,15 @@ class HostBlockManager:
         "_alloc_sizes",
         "_cid",
         "_counts",
+        "_departed",
+        "_doomed",
         "_events",
         "_evictable",
         "_evicted_total",
         "_free",
         "_hits",
         "_load_pins",
+        "_max_departures",
         "_max_tracker_size",
         "_misses",
         "_next_fresh",
@@ -150,8 +154,12 @@ class HostBlockManager:
         enable_events: bool = False,
         store_threshold: int = 0,
         max_tracker_size: int = 64_000,
+        max_departures: int = 65_536,
     ) -> None:
-        """Create an empty manager; invalid arguments raise :class:`ConfigError` naming field and value."""
+        """Create an empty manager; invalid arguments raise :class:`ConfigError` naming field and value.
+
+        ``max_departures`` bounds the memory of why keys left the pool (see :meth:`miss_reason`).
+        """
         self._num_chunks = _check_int("num_chunks", num_chunks, 0)
         self._store_threshold = _check_int("store_threshold", store_threshold, 0)
         self._max_tracker_size = _check_int("max_tracker_size", max_tracker_size, 1)
@@ -178,6 +186,10 @@ class HostBlockManager:
         self._stored_total = 0
         self._evicted_total = 0
         self._load_pins = 0
+        # Observability: why a key left (bounded, oldest forgotten first) and pinned keys to drop at last unpin.
+        self._max_departures = _check_int("max_departures", max_departures, 1)
+        self._departed: OrderedDict[bytes, MissReason] = OrderedDict()
+        self._doomed: dict[bytes, MissReason] = {}
 
     # ------------------------------------------------------------------ introspection
 
@@ -292,6 +304,8 @@ class HostBlockManager:
         if released:
             self._evictable += len(released)
             self._policy.mark_evictable_many(released)
+            if self._doomed:
+                self._drop_doomed(released)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Record an access to resident ``keys`` for the policy; ``keys[0]`` ends most recent."""
@@ -382,6 +396,7 @@ class HostBlockManager:
                 del cid[key]
                 free.append(chunk_id)
                 evicted_keys.append(key)
+            self._remember(evicted_keys, MissReason.EVICTED)
             self._evictable -= len(evicted)
             self._evicted_total += len(evicted)
             if self._events is not None:
@@ -431,6 +446,8 @@ class HostBlockManager:
                     policy.remove(key)
                     free.append(cid.pop(key))
                     changed.append(key)
+            if changed:
+                self._remember(changed, MissReason.STORE_FAILED)
         self._write_pending -= len(changed)
         if changed and self._events is not None:
             self._events.append(OffloadEvent(tuple(changed), not success, metadata_only=not success))
@@ -489,6 +506,86 @@ class HostBlockManager:
         self._evictable = 0
         self._write_pending = 0
         self._store_misses.clear()
+        self._doomed.clear()
+
+    # ------------------------------------------------------------------ miss explanations (observability)
+
+    def _remember(self, keys: Sequence[bytes], reason: MissReason) -> None:
+        """Record why ``keys`` left the pool (or are unavailable), forgetting the oldest beyond the bound."""
+        departed = self._departed
+        for key in keys:
+            departed[key] = reason
+            departed.move_to_end(key)
+        while len(departed) > self._max_departures:
+            departed.popitem(last=False)
+
+    def miss_reason(self, key: bytes) -> MissReason | None:
+        """Why ``key`` is not loadable now, or ``None`` when it is stored and ready (no statistics change).
+
+        A pending write answers STORE_PENDING; an absent key answers the remembered reason it left (evicted,
+        store failed, or whatever :meth:`remove` was told), else BELOW_STORE_THRESHOLD when it was offered
+        fewer than ``store_threshold`` times, else NEVER_STORED. The memory is bounded by ``max_departures``
+        (oldest forgotten first) and survives :meth:`reset`.
+        """
+        ref = self._ref.get(key)
+        if ref is not None:
+            return MissReason.STORE_PENDING if ref < 0 else None
+        reason = self._departed.get(key)
+        if reason is not None:
+            return reason
+        counts = self._counts
+        if counts is not None and 0 < counts.get(key, 0) < self._store_threshold:
+            return MissReason.BELOW_STORE_THRESHOLD
+        return MissReason.NEVER_STORED
+
+    def remove(self, keys: Sequence[bytes], reason: MissReason) -> list[bytes]:
+        """Drop ``keys`` from the pool for ``reason`` (e.g. CORRUPT after a checksum failure, TIER_UNAVAILABLE)
+        and remember it, so later misses on them are explained; returns the keys dropped now.
+
+        Ready keys are dropped at once (one removal event); a key pinned by loads is dropped when its last pin
+        is released; an absent key only has its reason remembered. A key whose store is in flight cannot be
+        removed (fail its store instead): :class:`InvalidStateError` names it and nothing changes.
+        """
+        if not isinstance(reason, MissReason):
+            raise ConfigError(f"reason must be a MissReason, got {reason!r}")
+        ref = self._ref
+        for key in keys:
+            if ref.get(key, 0) < 0:
+                raise InvalidStateError(f"cannot remove key {key!r}: its store is in flight (fail the store instead)")
+        ready: list[bytes] = []
+        for key in dict.fromkeys(keys):
+            count = ref.get(key)
+            if count is None:
+                self._remember((key,), reason)
+            elif count == 0:
+                ready.append(key)
+            else:
+                self._doomed[key] = reason
+        if ready:
+            self._drop(ready, reason)
+        return ready
+
+    def _drop_doomed(self, released: Sequence[bytes]) -> None:
+        """Drop the keys of ``released`` (just unpinned) that :meth:`remove` was asked to drop."""
+        doomed = self._doomed
+        for key in released:
+            reason = doomed.pop(key, None)
+            if reason is not None:
+                self._drop((key,), reason)
+
+    def _drop(self, keys: Sequence[bytes], reason: MissReason) -> None:
+        """Free the chunks of ready, unpinned ``keys``, announce their removal and remember why."""
+        policy = self._policy
+        free = self._free
+        cid = self._cid
+        for key in keys:
+            del self._ref[key]
+            policy.remove(key)
+            free.append(cid.pop(key))
+        self._evictable -= len(keys)
+        self._remember(keys, reason)
+        if self._events is not None:
+            self._events.append(OffloadEvent(tuple(keys), True))
 
     def stats(self) -> ManagerStats:
         """Return usage gauges and counters; allocation sizes and skipped stores restart from zero."""

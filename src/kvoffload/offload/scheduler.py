@@ -22,7 +22,7 @@ allocated), so a store planned between lookup and allocation can never evict the
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .._generated import (
@@ -30,6 +30,7 @@ from .._generated import (
     BlockStored,
     KVEvent,
     Medium,
+    MissReason,
     OffloadingConfig,
     StepPlan,
     TransferJob,
@@ -39,6 +40,7 @@ from ..errors import ConfigError, InvalidStateError
 from ..packed import pack_int32, pack_int64
 from .keys import chunk_keys, hashes_per_chunk, offload_key_group, offload_key_hash
 from .manager import HostBlockManager, LookupResult
+from .misses import ChunkMiss, GroupKeys, explain_lookup, primary_reason
 
 __all__ = ["OffloadScheduler", "ReportOutcome", "SchedulerStats"]
 
@@ -91,6 +93,7 @@ class _Request:
     finished: bool = False
     stored_keys: list[bytes] = field(default_factory=list)
     reused_keys: set[bytes] = field(default_factory=set)
+    misses: tuple[ChunkMiss, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +125,15 @@ class SchedulerStats:
     store_seconds: float
     cache_usage: float
     jobs_in_flight: int
+    # -- observability (issue 13)
+    lookup_miss_reasons: Mapping[MissReason, int] = field(default_factory=dict)
+    """Lookups that loaded nothing (or were deferred by a pending store), by the reason of their first miss."""
+    chunk_miss_reasons: Mapping[MissReason, int] = field(default_factory=dict)
+    """Wanted chunks that lookups did not load, by reason (a chunk counts once per lookup)."""
+    chunks_removed: Mapping[MissReason, int] = field(default_factory=dict)
+    """Chunks dropped through :meth:`OffloadScheduler.forget_chunk`, by reason (e.g. corrupt)."""
+    failed_loads: int = 0
+    failed_stores: int = 0
 
 
 def _opt_limit(name: str, value: int | None) -> int | None:
@@ -199,6 +211,10 @@ class OffloadScheduler:
             0,
         )
         self._seconds = {"load": 0.0, "store": 0.0}
+        self._lookup_misses: dict[MissReason, int] = {}
+        self._chunk_misses: dict[MissReason, int] = {}
+        self._removed: dict[MissReason, int] = {}
+        self._failed = {"load": 0, "store": 0}
 
     # ------------------------------------------------------------------------------------------ requests
 
@@ -282,12 +298,14 @@ class OffloadScheduler:
                 limit = self._lookup_group(req, g, num_computed_tokens, max_hit)
                 if limit is None:
                     self._counters["lookups_deferred"] += 1
+                    self._explain(req, num_computed_tokens, num_computed_tokens, pending_only=True)
                     return None
                 max_hit = min(max_hit, limit)
             if max_hit == before:
                 break
         if max_hit <= num_computed_tokens:
             self._counters["lookup_misses"] += 1
+            self._explain(req, num_computed_tokens, num_computed_tokens)
             return 0
         keys = self._hit_keys(req, num_computed_tokens, max_hit)
         if any(k in self._loading for k in keys):
@@ -300,7 +318,49 @@ class OffloadScheduler:
         req.pinned = keys
         req.hit_start, req.hit_end = num_computed_tokens, max_hit
         self._counters["lookup_hits"] += 1
+        self._explain(req, num_computed_tokens, max_hit)
         return max_hit - num_computed_tokens
+
+    def _explain(self, req: _Request, num_computed: int, hit_end: int, *, pending_only: bool = False) -> None:
+        """Record why the wanted chunks outside ``[num_computed, hit_end)`` were not loaded (stats + per request)."""
+        groups = [GroupKeys(g.group_id, g.tokens_per_chunk, g.window_chunks, req.keys[g.index]) for g in self._groups]
+        misses = explain_lookup(
+            self.manager,
+            groups,
+            num_computed=num_computed,
+            num_tokens=req.num_tokens,
+            hit_end=hit_end,
+            max_load_tokens=req.max_load_tokens,
+        )
+        if pending_only:
+            misses = [m for m in misses if m.reason is MissReason.STORE_PENDING]
+        req.misses = tuple(misses)
+        counts = self._chunk_misses
+        for miss in misses:
+            counts[miss.reason] = counts.get(miss.reason, 0) + 1
+        if hit_end <= num_computed:
+            reason = MissReason.STORE_PENDING if pending_only else primary_reason(misses)
+            self._lookup_misses[reason] = self._lookup_misses.get(reason, 0) + 1
+
+    def lookup_misses(self, req_id: str) -> tuple[ChunkMiss, ...]:
+        """The chunks the request's last lookup wanted but did not load, each with its :class:`MissReason`.
+
+        Empty before the first lookup, after a full hit, and for a lookup deferred for another reason than a
+        pending store (the request has a job in flight, or another request is loading the chunks).
+        """
+        return self._request(req_id).misses
+
+    def forget_chunk(self, key: bytes, reason: MissReason) -> bool:
+        """Drop one chunk from the pool for ``reason`` and remember it, so later misses on it say why.
+
+        The hook for features that find a chunk unusable: a checksum mismatch (``MissReason.CORRUPT``) or a
+        tier that cannot serve it (``MissReason.TIER_UNAVAILABLE``). Returns True when the chunk was dropped
+        now; a chunk pinned by loads goes when its last load completes, an absent one only has its reason
+        remembered. A chunk whose store is in flight raises :class:`InvalidStateError`.
+        """
+        dropped = bool(self.manager.remove([key], reason))
+        self._removed[reason] = self._removed.get(reason, 0) + 1
+        return dropped
 
     def _lookup_group(self, req: _Request, g: _Group, num_computed: int, max_hit: int) -> int | None:
         keys = req.keys[g.index]
@@ -604,6 +664,7 @@ class OffloadScheduler:
                 self.manager.complete_store(job.keys, success=not job.failed)
             if job.failed:
                 self._counters["failed_jobs"] += 1
+                self._failed["store"] += 1
                 failed_stores.append(job.req_id)
             elif not job.stale:
                 self._counters["tokens_stored"] += job.num_tokens
@@ -611,6 +672,7 @@ class OffloadScheduler:
             self._release_load(job)
             if job.failed:
                 self._counters["failed_jobs"] += 1
+                self._failed["load"] += 1
                 failed_loads.append(job.req_id)
             else:
                 self._counters["tokens_loaded"] += job.num_tokens
@@ -703,6 +765,11 @@ class OffloadScheduler:
             store_seconds=self._seconds["store"],
             cache_usage=self.manager.stats().usage,
             jobs_in_flight=len(self._jobs),
+            lookup_miss_reasons=dict(self._lookup_misses),
+            chunk_miss_reasons=dict(self._chunk_misses),
+            chunks_removed=dict(self._removed),
+            failed_loads=self._failed["load"],
+            failed_stores=self._failed["store"],
         )
 
     def take_events(self) -> list[KVEvent]:

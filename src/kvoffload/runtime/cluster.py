@@ -54,6 +54,7 @@ class WorkerCluster:
         start_timeout_s: float = 120.0,
         memcpy_probe_bytes: int = 0,
         torch_threads: int | None = None,
+        metrics_dir: str | None = None,
     ) -> None:
         world = snapshot.engine_config.parallel_config.world_size
         self.world_size = world if workers is None else workers
@@ -64,6 +65,8 @@ class WorkerCluster:
         self.snapshot = snapshot
         self.step_timeout_s = step_timeout_s
         self.start_timeout_s = start_timeout_s
+        # Workers record transfer metrics in prometheus_client's multiprocess mode under this directory.
+        self.metrics_dir = metrics_dir
         threads = torch_threads or max(1, (os.cpu_count() or 1) // self.world_size)
         pool_id = f"{self.engine_id}-{uuid.uuid4().hex[:12]}" if shared_pool else None
         self._pool_id = pool_id
@@ -79,6 +82,7 @@ class WorkerCluster:
                 load_timeout_s=step_timeout_s,
                 memcpy_probe_bytes=memcpy_probe_bytes,
                 torch_threads=threads,
+                metrics_dir=metrics_dir,
             )
             for rank in range(self.world_size)
         ]
@@ -92,18 +96,23 @@ class WorkerCluster:
     def start(self) -> None:
         """Spawn every worker and complete the Hello handshake with each (WorkerError if one fails)."""
         ctx = mp.get_context("spawn")
-        for spec in self._specs:
-            parent, child = ctx.Pipe(duplex=True)
-            proc = ctx.Process(
-                target=run_worker,
-                args=(child, msgspec.json.encode(spec)),
-                name=f"kvoffload-worker-{spec.rank}",
-                daemon=True,
-            )
-            proc.start()
-            child.close()
-            self._procs[spec.rank] = proc
-            self._channels[spec.rank] = Channel(parent)
+        with contextlib.ExitStack() as env:
+            if self.metrics_dir is not None:
+                from ..metrics import multiprocess_env
+
+                env.enter_context(multiprocess_env(self.metrics_dir))  # inherited by the spawned workers
+            for spec in self._specs:
+                parent, child = ctx.Pipe(duplex=True)
+                proc = ctx.Process(
+                    target=run_worker,
+                    args=(child, msgspec.json.encode(spec)),
+                    name=f"kvoffload-worker-{spec.rank}",
+                    daemon=True,
+                )
+                proc.start()
+                child.close()
+                self._procs[spec.rank] = proc
+                self._channels[spec.rank] = Channel(parent)
         try:
             local = wire.make_hello(PeerRole.SCHEDULER, 0, self.world_size, self.engine_id)
             for channel in self._channels.values():
@@ -120,6 +129,13 @@ class WorkerCluster:
         # Every worker replied after mapping the shared pool: its name is no longer needed, and removing it
         # now means no file is left behind whatever happens to the processes later.
         self._unlink_pool()
+
+    def _forget_metrics(self, proc: BaseProcess) -> None:
+        """Tell the multiprocess metrics that an exited worker's live gauges are gone."""
+        if self.metrics_dir is not None and proc.pid is not None and not proc.is_alive():
+            from ..metrics import mark_worker_dead
+
+            mark_worker_dead(proc.pid, self.metrics_dir)
 
     def _unlink_pool(self) -> None:
         if self._pool_id is not None:
@@ -175,6 +191,7 @@ class WorkerCluster:
         if proc.is_alive():
             proc.terminate()
         proc.join(5.0)
+        self._forget_metrics(proc)
 
     def kill_worker(self, rank: int) -> None:
         """Kill a worker process abruptly (fault-injection for tests and drills)."""
@@ -208,6 +225,7 @@ class WorkerCluster:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5.0)
+            self._forget_metrics(proc)
             self._channels[rank].close()
         self._procs.clear()
         self._channels.clear()
