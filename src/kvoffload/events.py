@@ -76,6 +76,8 @@ class KVEventPublisher:
         last = self._sock.getsockopt(zmq.LAST_ENDPOINT)
         self.endpoint = last.decode() if isinstance(last, bytes) else str(last)
         self._seq = 0
+        self.subscriptions = 0
+        """Subscriptions seen so far (minus unsubscriptions): how many subscribers listen, as far as XPUB tells."""
         self.sent = 0
         """Batches handed to ZMQ."""
         self.dropped = 0
@@ -105,11 +107,30 @@ class KVEventPublisher:
         self._drain_subscriptions()
         return True
 
-    def _drain_subscriptions(self) -> None:
-        """Read the (un)subscribe messages XPUB queues for us, so they never pile up."""
+    def _drain_subscriptions(self, timeout_ms: int = 0) -> None:
+        """Read the (un)subscribe messages XPUB queues for us (first byte 1 / 0), so they never pile up."""
         sock = self._sock
-        while sock.poll(0, zmq.POLLIN):
-            sock.recv(zmq.NOBLOCK)
+        while sock.poll(timeout_ms, zmq.POLLIN):
+            message = sock.recv(zmq.NOBLOCK)
+            if message[:1] == b"\x01":
+                self.subscriptions += 1
+            elif message[:1] == b"\x00":
+                self.subscriptions -= 1
+            timeout_ms = 0
+
+    def wait_for_subscriber(self, timeout_s: float) -> bool:
+        """Wait until at least one subscriber has subscribed (True), or ``timeout_s`` passed (False).
+
+        A ZMQ subscriber that just connected misses what is published before its subscription arrives; an
+        application that must not lose the first batches waits here first.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.subscriptions <= 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._drain_subscriptions(max(1, int(left * 1000)))
+        return True
 
     def close(self) -> None:
         """Close the socket (undelivered batches are discarded: events are best effort)."""

@@ -68,7 +68,11 @@ def test_never_stored() -> None:
     req, hit = ask(sched, hashes("a", 4))
     assert hit == 0
     # 64 tokens: chunks 0..2 are wanted (the last token is always recomputed, so chunk 3 is not)
-    assert reasons(sched, req) == [(0, MissReason.NEVER_STORED), (1, MissReason.NEVER_STORED), (2, MissReason.NEVER_STORED)]
+    assert reasons(sched, req) == [
+        (0, MissReason.NEVER_STORED),
+        (1, MissReason.NEVER_STORED),
+        (2, MissReason.NEVER_STORED),
+    ]
     stats = sched.stats()
     assert stats.lookup_miss_reasons == {MissReason.NEVER_STORED: 1}
     assert stats.chunk_miss_reasons == {MissReason.NEVER_STORED: 3}
@@ -125,7 +129,11 @@ def test_store_pending_defers_with_a_reason() -> None:
     offer(sched, a, report=None)  # store planned, never reported
     req, hit = ask(sched, a)
     assert hit is None
-    assert reasons(sched, req) == [(0, MissReason.STORE_PENDING), (1, MissReason.STORE_PENDING), (2, MissReason.STORE_PENDING)]
+    assert reasons(sched, req) == [
+        (0, MissReason.STORE_PENDING),
+        (1, MissReason.STORE_PENDING),
+        (2, MissReason.STORE_PENDING),
+    ]
     stats = sched.stats()
     assert stats.lookup_miss_reasons == {MissReason.STORE_PENDING: 1}
     assert stats.lookups_deferred == 1 and stats.lookup_misses == 0
