@@ -210,7 +210,7 @@ def test_forget_pinned_chunk_drops_it_at_last_unpin() -> None:
 
 
 def test_tier_unavailable_hook_on_absent_key() -> None:
-    sched, manager = make()
+    sched, _ = make()
     a = hashes("a", 4)
     for h in a[:3]:
         assert sched.forget_chunk(make_offload_key(h, 0), MissReason.TIER_UNAVAILABLE) is False
