@@ -167,7 +167,8 @@ def _run_demo(args: argparse.Namespace) -> int:
             print(f"kv events: {result.events_published} batches published, {result.events_dropped} dropped")
         if args.metrics_port is not None and args.metrics_linger > 0:
             sys.stdout.flush()
-            time.sleep(args.metrics_linger)
+            with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends the lingering, not the run
+                time.sleep(args.metrics_linger)
     if not result.ok:
         _error(
             f"verification failed: {len(result.mismatched_blocks)} mismatched blocks, {result.failed_jobs} "
