@@ -59,7 +59,7 @@ def _value(registry: CollectorRegistry, name: str, **labels: str) -> float | Non
 
 def test_scheduler_metrics_follow_the_scheduler_once_per_step() -> None:
     registry = CollectorRegistry()
-    metrics = SchedulerMetrics(registry)
+    metrics = SchedulerMetrics(registry, min_interval_s=0)
     manager = HostBlockManager(4)
     sched = OffloadScheduler(offloading_config(), manager)
     a, b = _hashes("a", 4), _hashes("b", 4)
@@ -100,6 +100,21 @@ def test_scheduler_metrics_follow_the_scheduler_once_per_step() -> None:
     assert again.counters == () and again.histograms == () and again.gauges == snap.gauges
     # nothing went to prometheus_client's global registry
     assert prometheus_client.REGISTRY.get_sample_value("kvoffload_lookups_total") is None
+
+
+def test_observe_is_rate_limited_without_losing_counts() -> None:
+    registry = CollectorRegistry()
+    metrics = SchedulerMetrics(registry, min_interval_s=3600)
+    sched = OffloadScheduler(offloading_config(), HostBlockManager(4))
+    assert metrics.observe(sched)  # the first reading always happens
+    sched.add_request("a", _hashes("a", 4), 64)
+    sched.lookup("a", 0)
+    assert not metrics.observe(sched)
+    assert _value(registry, "kvoffload_lookups_total") == 0
+    assert metrics.observe(sched, force=True)
+    assert _value(registry, "kvoffload_lookups_total") == 1
+    with pytest.raises(ConfigError, match="min_interval_s"):
+        SchedulerMetrics(min_interval_s=-1)
 
 
 def test_backpressure_drops_and_event_batches() -> None:

@@ -342,14 +342,14 @@ class _Demo:
             self._decode(req)
         self.observe()
 
-    def observe(self) -> None:
-        """Publish this step's KV events and bring the metrics up to date."""
+    def observe(self, *, final: bool = False) -> None:
+        """Publish this step's KV events and bring the metrics up to date (rate-limited unless ``final``)."""
         if self.events is not None:
             self.events.publish(self.sched.take_events())
         if self.metrics is not None:
             if self.events is not None:
                 self.metrics.record_event_batches(self.events.sent, self.events.dropped)
-            self.metrics.observe(self.sched)
+            self.metrics.observe(self.sched, force=final)
 
     def _decode(self, req: _Request) -> None:
         req.tokens.append(random.Random(f"{req.req_id}:{len(req.tokens)}").randrange(1, 32000))
@@ -419,7 +419,7 @@ def run_demo(
         if bar is not None:
             bar.close()
     demo.sched.on_worker_reports(final.reports)
-    demo.observe()
+    demo.observe(final=True)
     probes = [struct.unpack("<d", bytes(extras[0]))[0] for extras in final.attachments.values() if extras]
     stats = demo.sched.stats()
     result = demo.result

@@ -25,8 +25,10 @@ an engine integration can forward to its own stats system and :meth:`MetricsSnap
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -196,10 +198,11 @@ class _BoundGauge(_Series):
         self.value: float | None = None
 
     def set(self, value: float) -> None:
-        """Set the current value."""
-        self.value = value
-        if self._child is not None:
-            self._child.set(value)
+        """Set the current value (the prometheus child is only written when it changes)."""
+        if value != self.value:
+            self.value = value
+            if self._child is not None:
+                self._child.set(value)
 
 
 class _BoundHistogram(_Series):
@@ -324,12 +327,23 @@ class SchedulerMetrics:
 
     ``registry`` is the embedding application's registry (None: no Prometheus series, snapshots only);
     ``tier`` labels the host pool's series. Tiers report their drops through :meth:`record_backpressure_drops`.
+    ``min_interval_s`` rate-limits :meth:`observe` (reading the stats costs ~20 us): calls closer together are
+    skipped, losing nothing since the figures are cumulative; pass ``force=True`` for the final reading.
     """
 
     def __init__(
-        self, registry: CollectorRegistry | None = None, *, tier: str = "host", max_samples: int = _DEFAULT_MAX_SAMPLES
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        tier: str = "host",
+        max_samples: int = _DEFAULT_MAX_SAMPLES,
+        min_interval_s: float = 0.05,
     ) -> None:
         self.tier = _check_tier(tier)
+        if isinstance(min_interval_s, bool) or not isinstance(min_interval_s, int | float) or min_interval_s < 0:
+            raise ConfigError(f"min_interval_s must be a number >= 0, got {min_interval_s!r}")
+        self._min_interval_s = float(min_interval_s)
+        self._last_observed = -math.inf
         r = self._rec = _Recorder(registry, max_samples)
         reasons = [m.value for m in MissReason]
 
@@ -416,8 +430,15 @@ class SchedulerMetrics:
             self.event_batches_dropped.inc(dropped - old_dropped)
         self._seen_batches = (max(sent, old_sent), max(dropped, old_dropped))
 
-    def observe(self, sched: OffloadScheduler) -> None:
-        """Record what changed in ``sched`` since the previous call (call once per step, and at the end)."""
+    def observe(self, sched: OffloadScheduler, *, force: bool = False) -> bool:
+        """Record what changed in ``sched`` since the previous reading; False when skipped by ``min_interval_s``.
+
+        Call it once per step, and with ``force=True`` at the end (or before a snapshot that must be exact).
+        """
+        now = time.monotonic()
+        if not force and now - self._last_observed < self._min_interval_s:
+            return False
+        self._last_observed = now
         manager = sched.manager
         mstats = manager.stats()  # first: the scheduler's stats() would consume the allocation sizes
         stats = sched.stats()
@@ -467,6 +488,7 @@ class SchedulerMetrics:
         chunks["write_pending"].set(pending)
         chunks["ready"].set(ready)
         chunks["pinned"].set(num - free - pending - ready)
+        return True
 
     def take_snapshot(self) -> MetricsSnapshot:
         """The figures since the previous snapshot, engine-neutral (see :class:`MetricsSnapshot`)."""
@@ -513,22 +535,32 @@ class WorkerMetrics:
         return self._rec.registry
 
     def record(self, report: WorkerReport) -> None:
-        """Record every job result of ``report`` (bytes, seconds, sizes, failures)."""
+        """Record every job result of ``report``: sizes and times per job, byte and time totals once per report."""
+        load_bytes = store_bytes = load_failed = store_failed = 0
+        load_time = store_time = 0.0
         for result in report.results:
             if result.is_store:
-                self.store_bytes.inc(result.num_bytes)
-                self.store_time.inc(result.seconds)
+                store_bytes += result.num_bytes
+                store_time += result.seconds
+                store_failed += not result.success
                 self.store_size.observe(result.num_bytes)
                 self.store_seconds.observe(result.seconds)
-                if not result.success:
-                    self.store_failures.inc()
             else:
-                self.load_bytes.inc(result.num_bytes)
-                self.load_time.inc(result.seconds)
+                load_bytes += result.num_bytes
+                load_time += result.seconds
+                load_failed += not result.success
                 self.load_size.observe(result.num_bytes)
                 self.load_seconds.observe(result.seconds)
-                if not result.success:
-                    self.load_failures.inc()
+        if load_bytes or load_time:
+            self.load_bytes.inc(load_bytes)
+            self.load_time.inc(load_time)
+        if store_bytes or store_time:
+            self.store_bytes.inc(store_bytes)
+            self.store_time.inc(store_time)
+        if load_failed:
+            self.load_failures.inc(load_failed)
+        if store_failed:
+            self.store_failures.inc(store_failed)
 
     def take_snapshot(self) -> MetricsSnapshot:
         """The figures since the previous snapshot, engine-neutral (see :class:`MetricsSnapshot`)."""
