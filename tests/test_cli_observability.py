@@ -115,3 +115,14 @@ def test_demo_serves_metrics_explains_misses_and_publishes_events() -> None:
     assert [b.batch.seq for b in batches] == list(range(published)) and published > 0
     assert sub.gaps == []
     assert value("kvoffload_kv_event_batches_total", outcome="sent") == published
+
+
+def test_observability_option_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvoffload.cli import main
+
+    assert main(["demo", "--no-progress", "--metrics-port", "0", "--metrics-linger", "-1"]) == 2
+    assert "--metrics-linger=-1" in capsys.readouterr().err
+    assert main(["demo", "--no-progress", "--metrics-port", "70000"]) == 2
+    assert "metrics port must be an int in [0, 65535], got 70000" in capsys.readouterr().err
+    assert main(["demo", "--no-progress", "--kv-events", "nowhere"]) == 2
+    assert "'nowhere'" in capsys.readouterr().err

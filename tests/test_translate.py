@@ -42,7 +42,6 @@ from kvoffload import (
     UniformTypeKVCacheSpecs,
     codecs,
 )
-from tests.conftest import load_cases
 from kvoffload.layout import flatten_for_scheduler
 from kvoffload.translate import (
     Explanation,
@@ -53,6 +52,7 @@ from kvoffload.translate import (
     load_snapshot,
     translate_snapshot,
 )
+from tests.conftest import load_cases
 
 # ------------------------------------------------------------------------------------------------------------
 # recorded cases answered by vLLM 0.33.0 (tests/data/translate_cases.jsonl)
