@@ -178,6 +178,19 @@ def test_full_hit_has_no_misses() -> None:
     assert hit == 48 and sched.lookup_misses(req) == ()
 
 
+def test_misses_are_those_of_the_last_lookup() -> None:
+    sched, _ = make()
+    a = hashes("a", 4)
+    req, hit = ask(sched, a)
+    assert hit == 0 and len(sched.lookup_misses(req)) == 3
+    sched.on_blocks_allocated(req, [[1, 2, 3, 4]])
+    sched.on_tokens_computed(req, 64)
+    sched.build_step_plan()  # a store job is now in flight for the request
+    assert sched.lookup(req, 0) is None  # deferred: the request has a job in flight, not a miss
+    assert sched.lookup_misses(req) == ()
+    assert sched.stats().lookup_miss_reasons == {MissReason.NEVER_STORED: 1}
+
+
 def test_corrupt_via_forget_chunk_and_after_gap() -> None:
     sched, manager = make()
     a = hashes("a", 5)

@@ -286,6 +286,7 @@ class OffloadScheduler:
         req = self._request(req_id)
         self._counters["lookups"] += 1
         self._release_pins(req)
+        req.misses = ()
         if req.jobs:
             self._counters["lookups_deferred"] += 1
             return None
