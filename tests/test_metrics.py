@@ -177,6 +177,13 @@ def test_snapshot_aggregate_and_wire_round_trip() -> None:
     h = total.histogram("h")
     assert h is not None and (h.count, h.sum, h.samples) == (3, 8.0, (1.0, 2.0, 5.0))
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(total), type=MetricsSnapshot) == total
+    assert total.reduce() == {
+        "c{tier=host}": 5.0,
+        "c{tier=disk}": 1.0,
+        "g": 0.25,
+        "h_count": 3.0,
+        "h_sum": 8.0,
+    }
     assert MetricsSnapshot().is_empty() and not total.is_empty()
 
 

@@ -144,6 +144,20 @@ class MetricsSnapshot(msgspec.Struct, frozen=True, kw_only=True):
             counters=tuple(counters.values()), gauges=tuple(gauges.values()), histograms=tuple(histograms.values())
         )
 
+    def reduce(self) -> dict[str, float]:
+        """One flat number per series, for logs (vLLM's ``reduce``): ``name{label=value,...}`` for counters and
+        gauges, ``..._count`` and ``..._sum`` for histograms."""
+        out: dict[str, float] = {}
+        for c in self.counters:
+            key = _series_name(c.name, c.labels)
+            out[key] = out.get(key, 0.0) + c.value
+        for g in self.gauges:
+            out[_series_name(g.name, g.labels)] = g.value
+        for h in self.histograms:
+            out[_series_name(f"{h.name}_count", h.labels)] = float(h.count)
+            out[_series_name(f"{h.name}_sum", h.labels)] = h.sum
+        return out
+
     def counter(self, name: str, **labels: str) -> float:
         """The summed value of counter ``name`` over its series matching ``labels`` (0.0 when none)."""
         return sum(c.value for c in self.counters if c.name == name and _matches(c.labels, labels))
@@ -155,6 +169,12 @@ class MetricsSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     def histogram(self, name: str, **labels: str) -> HistogramSample | None:
         """The first histogram series ``name`` matching ``labels``, or None."""
         return next((h for h in self.histograms if h.name == name and _matches(h.labels, labels)), None)
+
+
+def _series_name(name: str, labels: Mapping[str, str]) -> str:
+    if not labels:
+        return name
+    return name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
 
 
 def _matches(have: Mapping[str, str], want: Mapping[str, str]) -> bool:
