@@ -4,8 +4,11 @@ For each page size (default 32 KB, 256 KB, 2 MB) the engine memory is laid out l
 layers, each ``(num_blocks, page)``, the default vLLM layout), a job moves about ``--total-mib`` MiB of
 randomly chosen engine blocks to/from randomly chosen host chunks, and each repeat times one plain
 ``copy_`` of the same total bytes right before the job (engine→host for stores, host→engine for loads).
-Reported: best-of-repeats GB/s for both and their ratio. Runs on CUDA when available (engine memory on the
-GPU, pinned host pool), else on CPU.
+Every job runs twice, on two engines over the same pool: with integrity checksums (the default: stores
+hash what they wrote, loads verify before reporting) and with ``checksums=False`` (key tags only).
+Reported: best-of-repeats GB/s of both, of the plain copy, their ratio, and the checksum cost: the extra
+time of the checksummed job over the unchecked one, as a share of the plain copy of the same bytes (goal:
+at most 40% on CPU). Runs on CUDA when available (engine memory on the GPU, pinned host pool), else on CPU.
 
     python benchmarks/transfer.py [--pages 32K,256K,2M] [--total-mib 256] [--layers 4] [--repeats 5]
 """
@@ -49,14 +52,28 @@ def _plain_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
-def _job(engine: CopyEngine, job_id: int, is_store: bool, block_ids: torch.Tensor, chunk_ids: torch.Tensor) -> None:
+def _job(
+    engine: CopyEngine,
+    job_id: int,
+    is_store: bool,
+    block_ids: torch.Tensor,
+    chunk_ids: torch.Tensor,
+    chunk_tags: torch.Tensor,
+) -> None:
     submit = engine.submit_store if is_store else engine.submit_load
-    submit(job_id, group_sizes=[block_ids.numel()], block_indices=[0], block_ids=block_ids, chunk_ids=chunk_ids)
+    submit(
+        job_id,
+        group_sizes=[block_ids.numel()],
+        block_indices=[0],
+        block_ids=block_ids,
+        chunk_ids=chunk_ids,
+        chunk_tags=chunk_tags,
+    )
     engine.wait([job_id])
 
 
-def bench_page(page: int, args: argparse.Namespace, device: torch.device) -> list[tuple[str, float, float]]:
-    """Return ``(direction, ours GB/s, copy_ GB/s)`` for one page size."""
+def bench_page(page: int, args: argparse.Namespace, device: torch.device) -> list[tuple[str, float, float, float]]:
+    """Return ``(direction, checksummed GB/s, unchecked GB/s, copy_ GB/s)`` for one page size."""
     layers, bpc = args.layers, args.blocks_per_chunk
     block_bytes = layers * page
     job_blocks = max(bpc, (args.total_mib << 20) // block_bytes // bpc * bpc)
@@ -85,24 +102,33 @@ def bench_page(page: int, args: argparse.Namespace, device: torch.device) -> lis
     engine_side = torch.randint(0, 256, (total,), dtype=torch.uint8, device=device)
     host_side = torch.empty(total, dtype=torch.uint8, pin_memory=pool.is_pinned)
     host_side.fill_(1)
-    out: list[tuple[str, float, float]] = []
-    with pool, CopyEngine(kv, layout, pool, cpu_threads=args.threads) as engine:
+    best = {(d, kind): float("inf") for d in ("store", "load") for kind in ("on", "off", "copy")}
+    with (
+        pool,
+        CopyEngine(kv, layout, pool, cpu_threads=args.threads) as checked,
+        CopyEngine(kv, layout, pool, cpu_threads=args.threads, checksums=False) as unchecked,
+    ):
         job = 0
-        for is_store in (True, False):
-            ours = base = float("inf")
-            for _ in range(args.repeats):
+        for _ in range(args.repeats):
+            # Each engine loads back the chunks it stored (a checksummed load needs a checksummed store).
+            chunks = torch.randperm(plan.num_chunks)[: 2 * (job_blocks // bpc)].chunk(2)
+            tags = torch.randint(1, 1 << 62, (job_blocks // bpc,), dtype=torch.int64)
+            for is_store in (True, False):
+                direction = "store" if is_store else "load"
                 block_ids = torch.randperm(num_blocks)[:job_blocks]
-                chunk_ids = torch.randperm(plan.num_chunks)[: job_blocks // bpc]
                 src, dst = (engine_side, host_side) if is_store else (host_side, engine_side)
-                base = min(base, _timed(partial(_plain_copy, dst, src), device))
-                job += 1
-
-                ours = min(ours, _timed(partial(_job, engine, job, is_store, block_ids, chunk_ids), device))
-                (result,) = engine.poll()
-                if not result.success or result.num_bytes != total:
-                    raise SystemExit(f"job {job} failed: {result}")
-            out.append(("store" if is_store else "load", total / ours / 1e9, total / base / 1e9))
-    return out
+                best[direction, "copy"] = min(best[direction, "copy"], _timed(partial(_plain_copy, dst, src), device))
+                for kind, engine, chunk_ids in (("on", checked, chunks[0]), ("off", unchecked, chunks[1])):
+                    job += 1
+                    run = partial(_job, engine, job, is_store, block_ids, chunk_ids, tags)
+                    best[direction, kind] = min(best[direction, kind], _timed(run, device))
+                    (result,) = engine.poll()
+                    if not result.success or result.num_bytes != total:
+                        raise SystemExit(f"job {job} failed: {result}")
+    return [
+        (d, total / best[d, "on"] / 1e9, total / best[d, "off"] / 1e9, total / best[d, "copy"] / 1e9)
+        for d in ("store", "load")
+    ]
 
 
 def main() -> None:
@@ -120,11 +146,16 @@ def main() -> None:
         f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} layers={args.layers} "
         f"blocks_per_chunk={args.blocks_per_chunk} total={args.total_mib} MiB, best of {args.repeats}"
     )
-    print(f"{'page':>8} {'direction':>9} {'ours GB/s':>10} {'copy_ GB/s':>11} {'ratio':>6}")
+    print(
+        f"{'page':>8} {'direction':>9} {'ours GB/s':>10} {'no-cksum GB/s':>14} {'copy_ GB/s':>11} {'ratio':>6} "
+        f"{'checksum cost':>14}"
+    )
     for text in args.pages.split(","):
         page = _parse_size(text)
-        for direction, ours, base in bench_page(page, args, device):
-            print(f"{text:>8} {direction:>9} {ours:10.2f} {base:11.2f} {ours / base:6.2f}")
+        for direction, ours, bare, base in bench_page(page, args, device):
+            # extra seconds of the checksummed job over the unchecked one, per second of plain copy
+            cost = (1 / ours - 1 / bare) * base
+            print(f"{text:>8} {direction:>9} {ours:10.2f} {bare:14.2f} {base:11.2f} {ours / base:6.2f} {cost:13.0%}")
 
 
 if __name__ == "__main__":

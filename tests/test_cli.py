@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvoffload import codecs
+from kvoffload import ConfigError, codecs
 from kvoffload.cli import main, to_toml
 from kvoffload.translate import load_snapshot, translate_snapshot
 
@@ -231,3 +231,117 @@ def test_console_script_has_no_traceback(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------------------
+# hostile input: one error line, exit 2, bounded reads
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [
+        ("deep.json", "[" * 1000 + "]" * 1000),
+        ("deep-field.json", '{"engine_config": ' + "[" * 1000 + "]" * 1000 + "}"),
+        ("deep.toml", "a = " + "[" * 1000 + "]" * 1000),
+    ],
+)
+def test_deeply_nested_input_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, content: str
+) -> None:
+    path = tmp_path / name
+    path.write_text(content)
+    code, out, err = run(capsys, "translate", str(path))
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and err.startswith("error: ") and "nested too deeply" in err
+
+
+def test_deeply_nested_extra_config_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = json.dumps(_example_doc()).replace(
+        '"kv_connector_extra_config": {', '"kv_connector_extra_config": {"x": ' + "[" * 1000 + "]" * 1000 + ", ", 1
+    )
+    path = tmp_path / "deep-extra.json"
+    path.write_text(text)
+    code, _, err = run(capsys, "translate", str(path))
+    assert code == 2 and err.count("\n") == 1 and "nested too deeply" in err
+
+
+def test_input_size_is_capped(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # /dev/zero never ends: the default cap refuses it after reading max_bytes + 1 bytes.
+    code, out, err = run(capsys, "translate", "/dev/zero")
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and "larger than max_bytes=16777216" in err
+    example = EXAMPLES[0]
+    size = example.stat().st_size
+    code, _, err = run(capsys, "translate", str(example), "--max-bytes", str(size - 1))
+    assert code == 2 and f"larger than max_bytes={size - 1}" in err
+    code, _, err = run(capsys, "translate", str(example), "--max-bytes", "1MiB")
+    assert (code, err) == (0, "")
+    with pytest.raises(ConfigError, match="max_bytes=0"):
+        load_snapshot(example, max_bytes=0)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "fragment"),
+    [
+        (
+            lambda d: d["engine_config"]["parallel_config"].update(rank=99),
+            "parallel_config.rank=99 is outside world_size=2",
+        ),
+        (
+            lambda d: d["engine_config"]["kv_transfer_config"]["kv_connector_extra_config"].update(cpu_bytes_to_use=-1),
+            "kv_connector_extra_config['cpu_bytes_to_use']=-1 must be > 0",
+        ),
+        (
+            lambda d: d["engine_config"]["kv_transfer_config"]["kv_connector_extra_config"].update(
+                cpu_bytes_to_use=4096
+            ),
+            "kv_connector_extra_config['cpu_bytes_to_use']=4096 holds no chunk",
+        ),
+        (
+            lambda d: d["engine_config"]["kv_transfer_config"]["kv_connector_extra_config"].update(
+                cpu_bytes_to_use="lots"
+            ),
+            "kv_connector_extra_config['cpu_bytes_to_use']='lots' is not a number of bytes",
+        ),
+        (
+            lambda d: d["engine_config"]["kv_transfer_config"]["kv_connector_extra_config"].update(
+                eviction_policy="mru"
+            ),
+            "kv_connector_extra_config['eviction_policy']='mru' is not a known cache policy",
+        ),
+        (
+            lambda d: d["kv_cache_config"].update(kv_cache_tensors=[]),
+            "kv_cache_tensors holds 0 engine-resident tensors",
+        ),
+    ],
+)
+def test_snapshot_that_decodes_but_cannot_run_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mutate: Any, fragment: str
+) -> None:
+    doc = _example_doc()
+    mutate(doc)
+    code, out, err = run(capsys, "translate", str(_write(tmp_path, doc)))
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and err.startswith("error: ") and fragment in err
+
+
+def test_recorded_vllm_cases_are_refused_only_when_they_cannot_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every case vLLM 0.33.0 accepts translates on the command line, except those without any KV tensor."""
+    cases = [json.loads(line) for line in (Path(__file__).parent / "data" / "translate_cases.jsonl").open()]
+    accepted = [c for c in cases if "ok" in c["expect"]]
+    assert len(accepted) == 20
+    refused = {}
+    for case in accepted:
+        path = tmp_path / f"{case['name']}.json"
+        path.write_text(json.dumps(case["input"]))
+        code, out, err = run(capsys, "translate", str(path))
+        if code:
+            refused[case["name"]] = err
+        else:
+            assert json.loads(out) == case["expect"]["ok"]
+    no_tensors = {c["name"] for c in accepted if not c["input"]["kv_cache_config"].get("kv_cache_tensors")}
+    assert set(refused) == no_tensors and len(no_tensors) == 3
+    assert all("kv_cache_tensors holds 0" in err for err in refused.values())

@@ -81,7 +81,7 @@ def test_scheduler_metrics_follow_the_scheduler_once_per_step() -> None:
     assert _value(registry, "kvoffload_chunk_misses_total", reason="evicted") == 3
     assert _value(registry, "kvoffload_evictions_total", tier="host") == 4
     assert _value(registry, "kvoffload_store_tokens_total", tier="host") == 128
-    assert _value(registry, "kvoffload_corrupted_loads_total", tier="host") == 1
+    assert _value(registry, "kvoffload_corrupted_loads_total", tier="host") == 0  # no load failed verification
     assert _value(registry, "kvoffload_chunks_removed_total", tier="host", reason="corrupt") == 1
     assert _value(registry, "kvoffload_cpu_allocation_size_count") == 2
     assert _value(registry, "kvoffload_pool_chunks", tier="host", state="capacity") == 4

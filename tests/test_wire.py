@@ -19,6 +19,7 @@ from kvoffload import (
     SCHEMA_VERSION,
     BlockRemoved,
     BlockStored,
+    Heartbeat,
     Hello,
     JobResult,
     KVEventBatch,
@@ -29,6 +30,7 @@ from kvoffload import (
     StepPlan,
     TransferJob,
     WireError,
+    WorkerFailure,
     WorkerReport,
     codecs,
     wire,
@@ -92,6 +94,8 @@ SAMPLES: dict[str, Message] = {
             BlockRemoved(block_hashes=(b"\x01" * 8,), medium=Medium.STORAGE),
         ),
     ),
+    "worker_failure": WorkerFailure(rank=1, error_type="ConfigError", message="bad value", step=3),
+    "heartbeat": Heartbeat(rank=1, seq=42),
 }
 
 
@@ -580,3 +584,23 @@ def test_handshake_refuses_other_messages_and_inconsistent_versions() -> None:
 def test_handshake_timeout_comes_from_the_transport() -> None:
     with pytest.raises(TimeoutError):
         wire.handshake(lambda frames: None, Pipe().recv, scheduler(), timeout=0.01)
+
+
+@pytest.mark.parametrize("version", ["²0", "².0", "1.²", "٣.1", "9" * 5000 + ".0", "1.0.0", " 1.0", ""])
+def test_check_hello_malformed_versions_raise_wire_error(version: str) -> None:
+    with pytest.raises(WireError, match="malformed schema version") as info:
+        wire.check_hello(scheduler(), worker(schema_version=version))
+    assert len(str(info.value)) < 200  # a 5000-digit version is shortened, not echoed whole
+
+
+def test_library_raises_its_own_errors_for_bad_arguments() -> None:
+    from kvoffload import ArgumentTypeError, Int32Array, ValueOverflowError
+
+    with pytest.raises(ValueOverflowError, match="2147483648"):
+        Int32Array([2**31])
+    with pytest.raises(ArgumentTypeError, match="integers only"):
+        Int32Array(["x"])  # type: ignore[list-item]
+    with pytest.raises(ArgumentTypeError, match="not a wire message"):
+        wire.encode(job(1))  # type: ignore[arg-type]
+    with pytest.raises(WireError, match="attachments exceed"):
+        wire.encode(Shutdown(), [b""] * 70000)

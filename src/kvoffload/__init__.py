@@ -24,6 +24,7 @@ from ._generated import (
     EngineConfig,
     EngineSnapshot,
     FullAttentionSpec,
+    Heartbeat,
     Hello,
     JobResult,
     KVCacheConfig,
@@ -56,17 +57,21 @@ from ._generated import (
     StepPlan,
     TransferJob,
     UniformTypeKVCacheSpecs,
+    WorkerFailure,
     WorkerReport,
     codecs,
 )
 from .errors import (
+    ArgumentTypeError,
     ConfigError,
+    DeadlineError,
     HostMemoryError,
     InvalidStateError,
     KVOffloadError,
     OffloadingConfigError,
     SchemaMismatchError,
     TransferError,
+    ValueOverflowError,
     VerificationError,
     WireError,
     WorkerError,
@@ -101,6 +106,7 @@ if _TYPE_CHECKING:
     from .offload.copy_engine import CopyEngine, TransferLayout, TransferResult, transfer_layout_from_config
     from .offload.host_pool import HostPool, HostPoolPlan, plan_host_pool, plan_host_pool_from_config
     from .offload.worker import OffloadWorker
+    from .runnable import validate_runnable
     from .runtime.cluster import WorkerCluster
 
 _LAZY = {
@@ -114,6 +120,7 @@ _LAZY = {
     "plan_host_pool_from_config": "kvoffload.offload.host_pool",
     "OffloadWorker": "kvoffload.offload.worker",
     "WorkerCluster": "kvoffload.runtime.cluster",
+    "validate_runnable": "kvoffload.runnable",
     # observability: prometheus_client and pyzmq load on first use (a worker picks its metrics mode at import)
     "KVEventPublisher": "kvoffload.events",
     "KVEventSubscriber": "kvoffload.events",
@@ -140,6 +147,7 @@ __version__ = "0.1.0"
 __all__ = [
     "SCHEMA_FINGERPRINT",
     "SCHEMA_VERSION",
+    "ArgumentTypeError",
     "AttentionSpec",
     "BaseKVCacheSpec",
     "BlockRemoved",
@@ -151,11 +159,13 @@ __all__ = [
     "ConfigError",
     "CopyEngine",
     "DType",
+    "DeadlineError",
     "Decision",
     "EngineConfig",
     "EngineSnapshot",
     "Explanation",
     "FullAttentionSpec",
+    "Heartbeat",
     "Hello",
     "HostBlockManager",
     "HostMemoryError",
@@ -215,10 +225,12 @@ __all__ = [
     "TransferLayout",
     "TransferResult",
     "UniformTypeKVCacheSpecs",
+    "ValueOverflowError",
     "VerificationError",
     "WireError",
     "WorkerCluster",
     "WorkerError",
+    "WorkerFailure",
     "WorkerMetrics",
     "WorkerReport",
     "__version__",
@@ -237,5 +249,6 @@ __all__ = [
     "translate_snapshot",
     "unpack_int32",
     "unpack_int64",
+    "validate_runnable",
     "wire",
 ]

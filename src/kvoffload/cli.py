@@ -3,22 +3,25 @@
 Subcommands (one ``_add_<name>`` parser builder and one ``_run_<name>`` handler each, wired in
 :func:`_build_parser`, so a new subcommand is two functions and one line there):
 
-* ``kvoffload translate FILE.json|FILE.toml [--explain] [--format json|toml]`` prints the OffloadingConfig
+* ``kvoffload translate FILE.json|FILE.toml [--explain] [--format json|toml] [--max-bytes SIZE]`` prints the config
   with vLLM 0.33's field names (pretty JSON by default).
 * ``kvoffload schema [--json-schema | --version]`` prints the JSON Schema of an engine snapshot, or the schema
   version and fingerprint.
-* ``kvoffload demo [--workers N] [--requests N] [--cpu-bytes SIZE] [--policy lru|arc] [--snapshot FILE]`` runs
-  the verified multi-process offloading demo (the main job); it exits 1 when any reloaded block mismatches.
+* ``kvoffload demo [--workers N] [--requests N] [--cpu-bytes SIZE] [--policy lru|arc] [--snapshot FILE]
+  [--worker-timeout SECONDS]`` runs the verified multi-process offloading demo (the main job); it exits 1 when
+  any reloaded block mismatches or a worker dies (with the worker's own error).
   ``--metrics-port N`` serves Prometheus ``/metrics`` while it runs, ``--explain-misses`` prints why lookups
   missed, ``--kv-events tcp://HOST:PORT`` publishes the pool's KV events.
 
-Invalid input and translator rejections exit with status 2 and one ``error: …`` line on stderr (no traceback).
+Invalid input, unrunnable snapshots and translator rejections exit with status 2 and one ``error: …`` line on
+stderr (no traceback); Ctrl-C exits with 130 and one line, after the demo's workers are stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -34,13 +37,15 @@ import msgspec
 from ._generated import SCHEMA_FINGERPRINT, SCHEMA_VERSION, codecs
 from ._generated.types import EngineSnapshot, OffloadingConfig
 from .errors import ConfigError, KVOffloadError
-from .translate import describe_error, explain_snapshot, load_snapshot
+from .runnable import validate_runnable
+from .translate import DEFAULT_MAX_SNAPSHOT_BYTES, describe_error, explain_snapshot, load_snapshot
 
 __all__ = ["main"]
 
 EXIT_OK = 0
 EXIT_INVALID = 2
 EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -58,6 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVOffloadError as err:
         _error(f"{type(err).__name__}: {err}")
         return EXIT_FAILED
+    except KeyboardInterrupt:
+        # Ctrl-C: the handlers' own cleanup (workers, shared memory) has run on the way out; one line, 128 + SIGINT.
+        _error("interrupted")
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (e.g. `| head`): stop quietly, as Unix tools do.
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -91,14 +100,21 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, option: str = "--cpu-bytes") -> int:
     """``"256MiB"`` -> 268435456, ``"1G"`` -> 10**9, ``"4096"`` -> 4096 (ConfigError naming the text)."""
     match = _SIZE.match(text)
     if match is None:
-        raise ConfigError(f"--cpu-bytes={text!r} is not a size (e.g. 268435456, 256MiB, 1GiB)")
+        raise ConfigError(f"{option}={text!r} is not a size (e.g. 268435456, 256MiB, 1GiB)")
     number, unit = match.group(1), (match.group(2) or "").lower()
     factor = 1024 ** "bkmgt".index(unit[0]) if unit.endswith(("ib", "i")) else _UNITS[unit[:1]]
     return int(float(number) * factor)
+
+
+def _parse_max_bytes(text: str) -> int:
+    size = parse_size(text, "--max-bytes")
+    if size < 1:
+        raise ConfigError(f"--max-bytes={text!r} must be at least 1 byte")
+    return size
 
 
 def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -120,6 +136,13 @@ def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--snapshot", default=None, help="engine snapshot JSON/TOML instead of the embedded Llama-style one")
     p.add_argument("--shared-pool", action="store_true", help="map one shared-memory host pool for all ranks")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
+    p.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="give up a worker that sends no heartbeat for this long: stopped or frozen (default 10)",
+    )
     p.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
     # -- observability (issue 13)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on 127.0.0.1:PORT")
@@ -155,6 +178,10 @@ def _run_demo(args: argparse.Namespace) -> int:
     options = DemoOptions(
         requests=args.requests, conversations=args.conversations, seed=args.seed, shared_pool=args.shared_pool
     )
+    if args.worker_timeout is not None:
+        if not 0 < args.worker_timeout < 1e9:
+            raise ConfigError(f"--worker-timeout={args.worker_timeout} must be a number of seconds > 0")
+        options = dataclasses.replace(options, worker_timeout_s=args.worker_timeout)
     with contextlib.ExitStack() as stack:
         kwargs = _demo_observability(args, stack)
         result = run_demo(snapshot, options, progress=not args.no_progress, **kwargs)
@@ -173,6 +200,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         _error(
             f"verification failed: {len(result.mismatched_blocks)} mismatched blocks, {result.failed_jobs} "
             f"failed jobs, dead workers {result.dead_workers}"
+            + "".join(f"; {reason}" for reason in result.worker_errors.values())
         )
         return 1
     print(f"ok: {result.blocks_verified} reloaded blocks verified byte for byte")
@@ -221,6 +249,12 @@ def _add_translate(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     )
     p.add_argument("file", metavar="FILE", help="engine snapshot, FILE.json or FILE.toml")
     p.add_argument(
+        "--max-bytes",
+        type=_parse_max_bytes,
+        default=DEFAULT_MAX_SNAPSHOT_BYTES,
+        help="refuse a FILE larger than this (default 16MiB; e.g. 64MiB)",
+    )
+    p.add_argument(
         "--explain",
         action="store_true",
         help=(
@@ -240,7 +274,7 @@ def _add_translate(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
 
 def _run_translate(args: argparse.Namespace) -> int:
     """Load, translate (with the decision trail when ``--explain``) and print the config."""
-    snapshot: EngineSnapshot = load_snapshot(args.file)
+    snapshot: EngineSnapshot = load_snapshot(args.file, max_bytes=args.max_bytes)
     explanation = explain_snapshot(snapshot)
     if args.explain:
         for decision in explanation.decisions:
@@ -250,6 +284,7 @@ def _run_translate(args: argparse.Namespace) -> int:
     config = explanation.config
     if config is None:  # pragma: no cover - an Explanation holds a config or an error
         raise ConfigError("translation produced no config")
+    validate_runnable(snapshot, config)  # vLLM's translator lets some unrunnable values through
     if args.explain:
         print()
     print(_format_config(config, args.format), end="")

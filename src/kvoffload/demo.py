@@ -31,16 +31,17 @@ from ._generated import (
     KVTransferConfig,
     ModelConfig,
     OffloadingConfig,
+    OffloadingGroupConfig,
     ParallelConfig,
     StepPlan,
 )
-from .errors import ConfigError, HostMemoryError
+from .errors import ConfigError, DeadlineError, HostMemoryError
 from .offload.host_pool import available_host_memory_bytes, plan_host_pool_from_config
 from .offload.keys import hash_token_blocks
 from .offload.manager import HostBlockManager
 from .offload.scheduler import OffloadScheduler
 from .packed import Int32Array, Int64Array
-from .runtime.cluster import WorkerCluster
+from .runtime.cluster import DEFAULT_WORKER_TIMEOUT_S, WorkerCluster
 from .runtime.sim_engine import block_seed
 from .translate import translate_snapshot
 
@@ -111,6 +112,7 @@ class DemoOptions:
     shared_pool: bool = False
     memcpy_probe_bytes: int = 64 * MiB
     step_timeout_s: float = 120.0
+    worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S
 
 
 @dataclass
@@ -126,6 +128,7 @@ class DemoResult:
     mismatched_blocks: list[int] = field(default_factory=list)
     failed_jobs: int = 0
     dead_workers: list[int] = field(default_factory=list)
+    worker_errors: dict[int, str] = field(default_factory=dict)
     deferred_lookups: int = 0
     steps: int = 0
     bytes_stored: int = 0
@@ -233,7 +236,8 @@ class _Demo:
         self.sched = OffloadScheduler(self.config, self.manager)
         self.groups = self.config.groups
         self.tph = self.config.cache.tokens_per_hash
-        self.pool = _BlockPool(snapshot.kv_cache_config.num_blocks)
+        self.num_blocks = snapshot.kv_cache_config.num_blocks
+        self.pool = _BlockPool(self.num_blocks)
         self.workload = _Workload(options, self.tph)
         self.waiting: deque[_Request] = deque()
         self.running: dict[str, _Request] = {}
@@ -262,6 +266,12 @@ class _Demo:
                 break
             total = req.prompt_len + req.decode_left
             need = [-(-total // g.tokens_per_block) for g in self.groups]
+            if sum(need) > self.num_blocks:
+                raise ConfigError(
+                    f"request {req.req_id} needs {sum(need)} engine blocks ({total} tokens) but the engine block "
+                    f"pool has num_blocks={self.num_blocks}: it can never run (use fewer --requests per "
+                    "conversation, more --conversations, or a snapshot with more num_blocks)"
+                )
             blocks = self.pool.allocate(sum(need))
             if blocks is None:
                 self.sched.on_blocks_allocated(req.req_id, [[] for _ in self.groups])  # release the pins
@@ -320,6 +330,7 @@ class _Demo:
             self.result.mismatched_blocks.extend(stats[2:])
         if outcome.newly_dead:
             self.result.dead_workers.extend(outcome.newly_dead)
+            self.result.worker_errors.update(outcome.errors)
             self.any_dead = True
         if self.any_dead:
             report_failed = self.sched.fail_jobs(self.sched.in_flight_job_ids())
@@ -398,17 +409,19 @@ def run_demo(
     """
     demo = _Demo(snapshot, options, metrics, events)
     _check_memory(snapshot, demo.config)
+    _check_workload_fits(options, demo.tph, demo.groups, demo.num_blocks)
     started = time.perf_counter()
     cluster = WorkerCluster(
         snapshot,
         shared_pool=options.shared_pool,
         simulate=True,
         step_timeout_s=options.step_timeout_s,
+        worker_timeout_s=options.worker_timeout_s,
         memcpy_probe_bytes=options.memcpy_probe_bytes,
         metrics_dir=metrics_dir,
     )
-    bar = _progress(options.requests) if progress else None
     cluster.start()
+    bar = _progress(options.requests) if progress else None
     try:
         while not demo.done and demo.result.steps < max_steps:
             demo.step(cluster)
@@ -433,8 +446,36 @@ def run_demo(
         result.events_published, result.events_dropped = events.sent, events.dropped
     result.wall_seconds = time.perf_counter() - started
     if demo.result.steps >= max_steps:
-        raise RuntimeError(f"the demo did not finish within {max_steps} steps")
+        raise DeadlineError(f"the demo did not finish within max_steps={max_steps} steps")
     return result
+
+
+def _check_workload_fits(
+    options: DemoOptions, tokens_per_hash: int, groups: Sequence[OffloadingGroupConfig], num_blocks: int
+) -> None:
+    """Refuse up front a workload whose longest conversation can never fit the engine block pool.
+
+    The turn lengths are replayed from the seed (they do not depend on scheduling); which conversation gets
+    which turn does, so the bound is the least the longest conversation must reach: the system prompt, an
+    even share of all turns, and one reply. A workload passing this check may still grow one conversation past
+    the pool; the engine then refuses that request as soon as it comes up (never a livelock).
+    """
+    workload = _Workload(options, tokens_per_hash)
+    system = len(workload.history[0])
+    turns = 0
+    while (req := workload.next_request()) is not None:
+        turns += req.prompt_len - system
+        workload.ready.append(req.conversation)  # history stays the system prompt: each turn counted once
+    share = -(-turns // options.conversations)
+    tokens = system + share + options.decode_tokens
+    need = sum(-(-tokens // g.tokens_per_block) for g in groups)
+    if need > num_blocks:
+        raise ConfigError(
+            f"the workload cannot run: its longest conversation reaches at least {tokens} tokens ({system} system "
+            f"prompt + {share} of {turns} turn tokens over {options.conversations} conversations + "
+            f"{options.decode_tokens} decoded), {need} engine blocks, but the engine block pool has "
+            f"num_blocks={num_blocks} (use fewer --requests, more --conversations, or more num_blocks)"
+        )
 
 
 def _check_memory(snapshot: EngineSnapshot, config: OffloadingConfig) -> None:

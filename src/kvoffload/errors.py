@@ -6,28 +6,35 @@ best describes it, so callers can catch either the library-wide base or the buil
     KVOffloadError(Exception)                  base of everything below
     ├── ConfigError(ValueError)                a snapshot or config value is invalid (names field and value)
     │   └── OffloadingConfigError              a vLLM 0.33 translator rule rejects the input (vLLM's message)
+    ├── ArgumentTypeError(TypeError)           an argument has the wrong type (e.g. a non-int in a packed array)
+    ├── ValueOverflowError(OverflowError)      a value does not fit its fixed-width field (e.g. int32 ids)
     ├── WireError(ValueError)                  a frame is truncated, oversized, corrupted or of an unknown kind
     │   └── SchemaMismatchError                the peer speaks an incompatible schema version (names both)
     ├── HostMemoryError(MemoryError)           the host pool cannot be sized or allocated (with the numbers)
     ├── InvalidStateError(RuntimeError)        an API was called out of order (e.g. loading a key not ready)
     ├── TransferError(RuntimeError)            a copy between engine memory and the host pool failed
-    ├── WorkerError(RuntimeError)              a worker process died, timed out or refused the handshake
+    ├── WorkerError(RuntimeError)              a worker process died, stalled, failed or refused the handshake
+    ├── DeadlineError(TimeoutError)            nothing arrived, or a run did not finish, within its deadline
     └── VerificationError(RuntimeError)        reloaded KV bytes differ from what was stored (demo/checks)
 
 Validation never uses ``assert``: every check raises one of these with a message that names the offending
-field and value.
+field and value. The only other exceptions raised on purpose are Python protocol ones: ``KeyError`` from a
+mapping-style lookup (``Explanation.find``) and ``NotImplementedError`` from a msgspec schema hook.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentTypeError",
     "ConfigError",
+    "DeadlineError",
     "HostMemoryError",
     "InvalidStateError",
     "KVOffloadError",
     "OffloadingConfigError",
     "SchemaMismatchError",
     "TransferError",
+    "ValueOverflowError",
     "VerificationError",
     "WireError",
     "WorkerError",
@@ -52,6 +59,14 @@ class OffloadingConfigError(ConfigError):
     def __init__(self, message: str, *, vllm_exception: str = "ValueError") -> None:
         super().__init__(message)
         self.vllm_exception = vllm_exception
+
+
+class ArgumentTypeError(KVOffloadError, TypeError):
+    """An argument has the wrong type (e.g. a non-integer packed into an id array, a non-message encoded)."""
+
+
+class ValueOverflowError(KVOffloadError, OverflowError):
+    """A value does not fit its fixed-width field (e.g. an id outside int32 in a packed array)."""
 
 
 class WireError(KVOffloadError, ValueError):
@@ -81,6 +96,10 @@ class TransferError(KVOffloadError, RuntimeError):
 
 class WorkerError(KVOffloadError, RuntimeError):
     """A worker process died, timed out or refused the handshake."""
+
+
+class DeadlineError(KVOffloadError, TimeoutError):
+    """Nothing arrived within a receive timeout, or a run did not finish within its step or time budget."""
 
 
 class VerificationError(KVOffloadError, RuntimeError):

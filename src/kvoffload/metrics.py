@@ -340,6 +340,7 @@ class _Totals:
     failed_loads: int = 0
     failed_stores: int = 0
     evicted: int = 0
+    corrupt_loads: int = 0
 
 
 class SchedulerMetrics:
@@ -389,10 +390,12 @@ class SchedulerMetrics:
         fam = r.counter_family("failed_stores", "Store jobs that failed (their chunks were freed).", ("tier",))
         self.failed_stores = r.counter(fam, "failed_stores", tier=tier)
         fam = r.counter_family(
-            "chunks_removed", "Chunks dropped as unusable (forget_chunk), by reason.", ("tier", "reason")
+            "chunks_removed", "Chunks dropped as unusable (corrupt, forget_chunk), by reason.", ("tier", "reason")
         )
         self.chunks_removed = {MissReason(x): r.counter(fam, "chunks_removed", tier=tier, reason=x) for x in reasons}
-        fam = r.counter_family("corrupted_loads", "Chunks found corrupt (checksum mismatch) and dropped.", ("tier",))
+        fam = r.counter_family(
+            "corrupted_loads", "Load jobs failed because a chunk did not verify (the request recomputes).", ("tier",)
+        )
         self.corrupted_loads = r.counter(fam, "corrupted_loads", tier=tier)
         fam = r.counter_family("evictions", "Chunks evicted by the cache policy.", ("tier",))
         self.evictions = r.counter(fam, "evictions", tier=tier)
@@ -473,6 +476,7 @@ class SchedulerMetrics:
             (self.failed_loads, stats.failed_loads, "failed_loads"),
             (self.failed_stores, stats.failed_stores, "failed_stores"),
             (self.evictions, mstats.evicted, "evicted"),
+            (self.corrupted_loads, stats.corrupt_loads, "corrupt_loads"),
         ):
             delta = total - getattr(seen, attr)
             if delta > 0:
@@ -488,8 +492,6 @@ class SchedulerMetrics:
                 delta = total - last.get(reason, 0)
                 if delta > 0:
                     bound[reason].inc(delta)
-                    if kind == "removed" and reason is MissReason.CORRUPT:
-                        self.corrupted_loads.inc(delta)
                     last[reason] = total
         if mstats.stores_skipped:
             self.stores_skipped.inc(mstats.stores_skipped)

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar, Literal, NewType, Self, SupportsIndex, overload
 
-from .errors import WireError
+from .errors import ArgumentTypeError, ValueOverflowError, WireError
 
 if TYPE_CHECKING:
     import torch
@@ -58,16 +58,18 @@ class PackedIntArray:
     _view: memoryview[int]
 
     def __init__(self, values: Iterable[int] = ()) -> None:
-        """Pack integers; raises OverflowError/TypeError naming the value that does not fit."""
+        """Pack integers; raises ValueOverflowError/ArgumentTypeError (OverflowError/TypeError) naming the value."""
         if not isinstance(values, list | tuple | range):
             values = list(values)
         try:
             packed = array.array(self._code, values)
         except OverflowError:
             bad = next((v for v in values if not self._min <= v <= self._max), None)
-            raise OverflowError(f"{type(self).__name__}: value {bad} is outside [{self._min}, {self._max}]") from None
+            raise ValueOverflowError(
+                f"{type(self).__name__}: value {bad} is outside [{self._min}, {self._max}]"
+            ) from None
         except TypeError as exc:
-            raise TypeError(f"{type(self).__name__} holds integers only: {exc}") from None
+            raise ArgumentTypeError(f"{type(self).__name__} holds integers only: {exc}") from None
         self._view = memoryview(packed)
 
     @classmethod

@@ -66,6 +66,7 @@ from .layout import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_SNAPSHOT_BYTES",
     "Decision",
     "Explanation",
     "build_offloading_config",
@@ -665,17 +666,35 @@ _PATH_RE = re.compile(r" - at `(\$[^`]*)`$")
 _TOKEN_RE = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 
 
-def load_snapshot(path: str | os.PathLike[str]) -> EngineSnapshot:
+DEFAULT_MAX_SNAPSHOT_BYTES = 16 * 1024 * 1024
+"""Largest snapshot file :func:`load_snapshot` reads unless told otherwise (real engines' snapshots are KBs)."""
+
+
+def load_snapshot(path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_SNAPSHOT_BYTES) -> EngineSnapshot:
     """Read an engine snapshot from a JSON or TOML file (by suffix; otherwise JSON when it starts with ``{``).
 
     Decoding is strict (unknown fields, wrong types and out-of-range values are rejected). Any failure is a
-    ConfigError whose one-line message names the file, the field path and, when present, the bad value.
+    ConfigError whose one-line message names the file, the field path and, when present, the bad value. At
+    most ``max_bytes`` bytes are read (a larger input, e.g. ``/dev/zero``, is refused without reading on),
+    and a document nested too deeply to decode is refused instead of raising RecursionError.
     """
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        raise ConfigError(f"max_bytes={max_bytes!r} must be an int >= 1")
     file = Path(path)
     try:
-        raw = file.read_bytes()
+        with file.open("rb") as handle:
+            raw = handle.read(max_bytes + 1)
     except OSError as exc:
         raise ConfigError(f"{file}: cannot read: {exc.strerror or exc}") from exc
+    if len(raw) > max_bytes:
+        raise ConfigError(f"{file}: larger than max_bytes={max_bytes}: not an engine snapshot (raise the limit?)")
+    try:
+        return _decode_snapshot(file, raw)
+    except RecursionError:
+        raise ConfigError(f"{file}: nested too deeply to decode (not an engine snapshot)") from None
+
+
+def _decode_snapshot(file: Path, raw: bytes) -> EngineSnapshot:
     is_toml = file.suffix.lower() == ".toml" or (file.suffix.lower() != ".json" and not raw.lstrip().startswith(b"{"))
     document: object = None
     if is_toml:

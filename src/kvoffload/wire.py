@@ -25,6 +25,7 @@ returns a half-built message and never raises anything else for bad bytes.
 from __future__ import annotations
 
 import os
+import re
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from ._generated.types import (
     Message,
     PeerRole,
 )
-from .errors import ConfigError, SchemaMismatchError, WireError
+from .errors import ArgumentTypeError, ConfigError, SchemaMismatchError, WireError
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -163,14 +164,15 @@ def encode(msg: Message, attachments: Sequence[Buffer] = ()) -> list[bytes | mem
     """Encode one message into frames: [header + msgpack body, *attachments].
 
     Attachments are passed through untouched (bytes stay bytes, anything else becomes a memoryview), so a
-    tensor's buffer is never copied here. Raises TypeError for a non-message or a non-buffer attachment.
+    tensor's buffer is never copied here. Raises ArgumentTypeError (a TypeError) for a non-message or a
+    non-buffer attachment, WireError for more attachments than the header can count.
     """
     kind = _KIND_OF.get(type(msg))
     if kind is None:
-        raise TypeError(f"{type(msg).__name__} is not a wire message (known: {sorted(_KIND_NAMES.values())})")
+        raise ArgumentTypeError(f"{type(msg).__name__} is not a wire message (known: {sorted(_KIND_NAMES.values())})")
     count = len(attachments)
     if count > _MAX_ATTACHMENTS:
-        raise ValueError(f"{count} attachments exceed the wire limit of {_MAX_ATTACHMENTS}")
+        raise WireError(f"{count} attachments exceed the wire limit of {_MAX_ATTACHMENTS}")
     frame = bytearray(HEADER_SIZE)
     _encode_into(msg, frame, HEADER_SIZE)
     _HEADER.pack_into(
@@ -194,7 +196,7 @@ def encode(msg: Message, attachments: Sequence[Buffer] = ()) -> list[bytes | mem
         try:
             frames.append(memoryview(item))
         except TypeError:
-            raise TypeError(f"attachment {index} is a {type(item).__name__}, not a bytes-like object") from None
+            raise ArgumentTypeError(f"attachment {index} is a {type(item).__name__}, not a bytes-like object") from None
     return frames
 
 
@@ -315,11 +317,18 @@ def make_hello(role: PeerRole | str, rank: int, world_size: int, engine_id: str)
     )
 
 
+_VERSION_RE: Final = re.compile(r"([0-9]{1,3})\.([0-9]{1,3})")
+
+
 def _major_of(version: str) -> int:
-    major, dot, minor = version.partition(".")
-    if not (dot and major.isdigit() and minor.isdigit()):
-        raise WireError(f"peer sent a malformed schema version {version!r} (expected major.minor)")
-    return int(major)
+    # ASCII digits only, at most 3 each: str.isdigit() accepts "²" (which int() refuses), and int() of a
+    # 5000-digit string raises ValueError (Python's int max str digits guard).
+    match = _VERSION_RE.fullmatch(version) if isinstance(version, str) else None
+    if match is None:
+        text = str(version)
+        shown = repr(text) if len(text) <= 40 else f"{text[:40]!r}... ({len(text)} characters)"
+        raise WireError(f"peer sent a malformed schema version {shown} (expected major.minor, ASCII digits)")
+    return int(match.group(1))
 
 
 def check_hello(local: Hello, remote: Hello) -> HandshakeResult:

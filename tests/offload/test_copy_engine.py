@@ -531,6 +531,10 @@ def test_completion_is_fifo_per_direction_with_bytes(
 ) -> None:
     _, layout, pool, kv = mixed
     with CopyEngine(kv, layout, pool) as mover:
+        # The loads read chunk 2: it must hold a completed store (integrity refuses unsealed chunks).
+        mover.submit_store(1, group_sizes=[0, 3], block_indices=[0, 0], block_ids=[5, 6, 7], chunk_ids=[2])
+        mover.wait([1])
+        assert [(r.job_id, r.success) for r in mover.poll()] == [(1, True)]
         for job_id in (7, 3, 9):
             mover.submit_store(job_id, group_sizes=[2, 1], block_indices=[0, 0], block_ids=[1, 2, 3], chunk_ids=[0, 1])
         for job_id in (4, 8):

@@ -185,7 +185,7 @@ def test_shared_pool_create_join_and_cleanup(engine_id: str) -> None:
     joiner = HostPool(plan1, engine_id=engine_id)
     path = shared_pool_path(engine_id)
     assert creator.is_creator and not joiner.is_creator
-    assert creator.path == joiner.path == path and path.stat().st_size == plan0.total_bytes
+    assert creator.path == joiner.path == path and path.stat().st_size == plan0.shared_file_bytes
     assert creator.rows.shape == (plan0.num_chunks, plan0.row_bytes)
     assert (creator.slot_offset, joiner.slot_offset) == (0, plan0.slot_bytes)
     joiner.slot_rows()[5, :4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)

@@ -207,15 +207,18 @@ def test_corrupt_via_forget_chunk_and_after_gap() -> None:
     assert sched.stats().chunks_removed == {MissReason.CORRUPT: 1}
 
 
-def test_forget_pinned_chunk_drops_it_at_last_unpin() -> None:
+def test_forget_pinned_chunk_turns_dead_and_goes_at_last_unpin() -> None:
     sched, manager = make()
     a = hashes("a", 4)
     offer(sched, a)
     req, hit = ask(sched, a)  # pins chunks 0..2
     assert hit == 48
     key0 = make_offload_key(a[0], 0)
-    assert sched.forget_chunk(key0, MissReason.CORRUPT) is False
-    assert key0 in manager  # still pinned by the lookup
+    assert sched.forget_chunk(key0, MissReason.CORRUPT) is True
+    assert key0 in manager  # still resident: the lookup's pin holds it ...
+    assert manager.miss_reason(key0) is MissReason.CORRUPT  # ... but it is dead: never served again
+    other, hit = ask(sched, a)
+    assert hit == 0 and reasons(sched, other)[0] == (0, MissReason.CORRUPT)
     sched.on_blocks_allocated(req, [[1, 2, 3, 4]])  # no external tokens: pins released
     assert key0 not in manager
     assert manager.miss_reason(key0) is MissReason.CORRUPT

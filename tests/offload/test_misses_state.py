@@ -1,8 +1,8 @@
 """Stateful property test: the pool's memory of why keys left, and ``remove``, against the manager model.
 
 Extends the HostBlockManager state machine (tests/offload/test_manager_state.py) with ``remove(keys, reason)``
-and ``miss_reason(key)``: the model remembers every departure (evicted, store failed, removed for a reason,
-dropped at the last unpin when removed while pinned) and predicts each answer.
+and ``miss_reason(key)``: the model remembers every departure (evicted, store failed, removed for a reason;
+a key removed while pinned is dead at once and freed at its last unpin) and predicts each answer.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from hypothesis.stateful import rule
 
 from kvoffload import MissReason
 from kvoffload.errors import InvalidStateError
+from kvoffload.offload.manager import LookupResult
 from tests.offload.test_manager_state import KEYS, PENDING, ManagerMachine, key_lists
 
 REMOVE_REASONS = st.sampled_from([MissReason.CORRUPT, MissReason.TIER_UNAVAILABLE])
@@ -23,13 +24,22 @@ class MissMachine(ManagerMachine):
     def __init__(self) -> None:
         super().__init__()
         self.departed: dict[bytes, MissReason] = {}
-        self.doomed: dict[bytes, MissReason] = {}
+        self.dead: set[bytes] = set()  # removed while pinned: lookups miss, freed at the last unpin
 
     def _drop_model(self, key: bytes, reason: MissReason) -> None:
         del self.state[key]
         del self.chunk[key]
         self.order.remove(key)
         self.departed[key] = reason
+        self.dead.discard(key)
+
+    def ready_keys(self) -> list[bytes]:
+        return [key for key in super().ready_keys() if key not in self.dead]
+
+    @rule(picks=st.lists(st.integers(0, 100), max_size=5))
+    def load(self, picks: list[int]) -> None:
+        if self.ready_keys():  # dead keys are not loadable: the base precondition does not know them
+            super().load(picks)
 
     @rule(keys=key_lists)
     def offer(self, keys: list[bytes]) -> None:
@@ -37,7 +47,6 @@ class MissMachine(ManagerMachine):
         super().offer(keys)
         for key in before - set(self.state):
             self.departed[key] = MissReason.EVICTED
-            self.doomed.pop(key, None)
 
     @rule(index=st.integers(0, 100), success=st.booleans(), extra=key_lists)
     def complete_store(self, index: int, success: bool, extra: list[bytes]) -> None:
@@ -55,8 +64,23 @@ class MissMachine(ManagerMachine):
         keys = self.pins[index % len(self.pins)]
         super().release(index)
         for key in dict.fromkeys(keys):
-            if self.state.get(key) == 0 and key in self.doomed:
-                self._drop_model(key, self.doomed.pop(key))
+            if self.state.get(key) == 0 and key in self.dead:
+                self._drop_model(key, self.departed[key])
+
+    @rule(keys=key_lists)
+    def load_invalid(self, keys: list[bytes]) -> None:
+        if all(key in self.state and self.state[key] >= 0 and key not in self.dead for key in keys):
+            return
+        with pytest.raises(InvalidStateError):
+            self.manager.prepare_load(keys)
+
+    @rule(key=st.sampled_from(KEYS))
+    def lookup(self, key: bytes) -> None:
+        if key not in self.state or key in self.dead:
+            expected = LookupResult.MISS
+        else:
+            expected = LookupResult.HIT_PENDING if self.state[key] == PENDING else LookupResult.HIT
+        assert self.manager.lookup(key) == expected
 
     @rule(keys=key_lists, reason=REMOVE_REASONS)
     def remove(self, keys: list[bytes], reason: MissReason) -> None:
@@ -67,19 +91,22 @@ class MissMachine(ManagerMachine):
             assert len(self.manager) == size
             return
         unique = list(dict.fromkeys(keys))
-        expected_now = [key for key in unique if self.state.get(key) == 0]
-        assert self.manager.remove(keys, reason) == expected_now
+        expected = [key for key in unique if key in self.state and key not in self.dead]
+        assert self.manager.remove(keys, reason) == expected
         for key in unique:
             if key not in self.state:
                 self.departed[key] = reason
+            elif key in self.dead:
+                continue  # already dropped: its first reason stands
             elif self.state[key] == 0:
                 self._drop_model(key, reason)
             else:
-                self.doomed[key] = reason
+                self.dead.add(key)
+                self.departed[key] = reason
 
     @rule(key=st.sampled_from(KEYS))
     def miss_reason(self, key: bytes) -> None:
-        if key in self.state:
+        if key in self.state and key not in self.dead:
             expected = MissReason.STORE_PENDING if self.state[key] == PENDING else None
         else:
             expected = self.departed.get(key, MissReason.NEVER_STORED)

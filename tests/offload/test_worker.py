@@ -85,6 +85,11 @@ def test_bad_job_is_reported_failed_and_the_worker_keeps_going(
     w.start_step(plan)
     report = w.report(0)
     assert [(r.job_id, r.success, r.num_bytes) for r in report.results] == [(7, False, 0)]
+    assert report.results[0].error.startswith("ConfigError: chunk_ids contains 999")
+    stored = step(1, stores=(transfer_job(6, [1], [0]),))  # chunk 0 must hold a completed store to load it
+    w.start_step(stored)
+    w.end_step(stored)
+    assert [(r.job_id, r.success) for r in w.drain(1, timeout=10).results] == [(6, True)]
     plan = step(1, loads=(transfer_job(8, [1], [0]),))
     w.start_step(plan)
     w.wait_for_loads(plan, timeout=10)

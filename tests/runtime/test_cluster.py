@@ -3,12 +3,36 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from kvoffload import Int64Array, StepPlan, TransferJob, WireError
-from kvoffload.demo import DemoOptions, default_snapshot, run_demo
+from kvoffload import (
+    ConfigError,
+    DeadlineError,
+    HostMemoryError,
+    Int64Array,
+    Shutdown,
+    StepPlan,
+    TransferJob,
+    WireError,
+    WorkerError,
+)
+from kvoffload.demo import DemoOptions, default_snapshot, run_demo, snapshot_with_overrides
+from kvoffload.offload.host_pool import (
+    HostPool,
+    available_host_memory_bytes,
+    check_pools_fit,
+    owned_pool_id,
+    plan_host_pool,
+    plan_host_pool_from_config,
+    sweep_stale_pools,
+)
 from kvoffload.offload.manager import HostBlockManager, LookupResult
 from kvoffload.offload.scheduler import OffloadScheduler
 from kvoffload.packed import pack_int64
@@ -56,9 +80,11 @@ def test_store_load_round_trip_is_verified_and_corruption_is_caught() -> None:
         # Expecting other contents than what was stored must be reported as a mismatch.
         r = cluster.step(plan(3, loads=[transfer_job(2, [8], [5])]), attachments(verify=[2, 0, 8, 43]))
         assert verified(r) == [[1, 1, 8], [1, 1, 8]]
-        # A load from a chunk nobody stored yields different bytes, too.
+        # A load from a chunk nobody stored fails its integrity check on every worker (nothing to verify).
         r = cluster.step(plan(4, loads=[transfer_job(3, [9], [6])]), attachments(verify=[3, 0, 9, 42]))
-        assert verified(r) == [[1, 1, 9], [1, 1, 9]]
+        assert verified(r) == [[0, 0], [0, 0]]
+        failed = {(res.job_id, res.success, res.corrupt_chunk_ids) for rep in r.reports for res in rep.results}
+        assert failed == {(3, False, pack_int64([6]))}
         # A job with an out-of-range chunk id fails instead of crashing the worker.
         r = cluster.step(plan(5, loads=[transfer_job(4, [9], [10_000])]), attachments())
         assert {(res.job_id, res.success) for rep in r.reports for res in rep.results} == {(4, False)}
@@ -73,8 +99,13 @@ def test_killed_worker_fails_its_jobs_and_the_scheduler_carries_on(tmp_path: Pat
     manager = HostBlockManager(16)
     sched = OffloadScheduler(config, manager)
     cluster = WorkerCluster(snapshot, simulate=True, step_timeout_s=30, shared_pool=True)
-    before = set(Path("/dev/shm").glob("kvoffload_*"))
+    # A segment whose owner died without removing it (SIGKILL) is swept when a cluster starts.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = Path("/dev/shm") / f"kvoffload_{owned_pool_id('stale-test', int(dead.stdout))}.mmap"
+    stale.write_bytes(b"\0" * 4096)
+    before = set(Path("/dev/shm").glob("kvoffload_*")) - {stale}
     cluster.start()
+    assert not stale.exists()
     # Workers answer the handshake once they mapped the pool; its file is unlinked right then.
     assert set(Path("/dev/shm").glob("kvoffload_*")) == before
     assert cluster.handshakes[0].mode == "fast"
@@ -100,6 +131,7 @@ def test_killed_worker_fails_its_jobs_and_the_scheduler_carries_on(tmp_path: Pat
         assert store.job_id not in sched.in_flight_job_ids()
     finally:
         cluster.close()
+        stale.unlink(missing_ok=True)
     assert set(Path("/dev/shm").glob("kvoffload_*")) == before, "no shared-memory file is left behind"
     assert not mp.active_children()
 
@@ -129,8 +161,9 @@ def test_channel_rejects_garbage_with_wire_error() -> None:
     sender.send_raw([b"\x00" * 3])
     with pytest.raises(WireError, match="truncated"):
         receiver.recv(1.0)
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError) as info:
         receiver.recv(0.05)
+    assert isinstance(info.value, DeadlineError)
 
 
 def test_demo_small_run_verifies_every_reload() -> None:
@@ -150,3 +183,134 @@ def test_demo_small_run_verifies_every_reload() -> None:
     assert result.requests == 6
     assert result.tokens_loaded > 0 and result.blocks_verified == 2 * result.tokens_loaded // 16
     assert result.bytes_loaded > 0 and result.bytes_stored > 0
+
+
+# -- faults: one clear error within a deadline, nothing left behind ------------------------------------------
+
+
+def test_worker_failure_reaches_the_scheduler_with_its_cause() -> None:
+    """A ConfigError building a worker's copy engine (tensors too small for its layers) names rank and cause."""
+    snapshot = small_snapshot()
+    kv = snapshot.kv_cache_config
+    tensor = kv.kv_cache_tensors[0]
+    small = msgspec.structs.replace(tensor, size=tensor.size // 2)
+    broken = msgspec.structs.replace(snapshot, kv_cache_config=msgspec.structs.replace(kv, kv_cache_tensors=(small,)))
+    cluster = WorkerCluster(broken, simulate=True, start_timeout_s=60)
+    with pytest.raises(WorkerError, match=r"worker 0 failed at step 0: ConfigError: .*kv_cache_tensors\[0\]\.size="):
+        cluster.start()
+    assert not mp.active_children()
+
+
+def test_stopped_worker_is_given_up_by_heartbeat_and_a_failing_one_names_its_cause() -> None:
+    """A SIGSTOPped worker sends no heartbeat: it is marked dead by worker_timeout_s, not the step timeout."""
+    with WorkerCluster(small_snapshot(), simulate=True, step_timeout_s=600, worker_timeout_s=1.0) as cluster:
+        cluster.step(plan(0), attachments())
+        os.kill(cluster.pids[1], signal.SIGSTOP)
+        r = cluster.step(plan(1), attachments())
+        assert r.newly_dead == (1,)
+        assert "worker 1 sent no heartbeat for 1s (worker_timeout_s): stopped or frozen" in r.errors[1]
+        assert [rep.rank for rep in r.reports] == [0]
+        # The live worker kept its heartbeats going while the scheduler was busy with the stopped one.
+        r = cluster.step(plan(2), attachments())
+        assert r.newly_dead == () and [rep.rank for rep in r.reports] == [0]
+        # A failure inside a step reaches the scheduler with its cause (a simulated step needs 2 attachments).
+        r = cluster.step(plan(3), [])
+        assert r.newly_dead == (0,)
+        assert r.errors[0].startswith("worker 0 failed at step 3: WireError: a simulated step needs 2 attachments")
+    assert not mp.active_children()
+
+
+def test_combined_host_pools_beyond_available_memory_are_refused_before_spawning() -> None:
+    # Each rank's pool alone fits in available memory (3/4 of it); both together do not.
+    budget = int(available_host_memory_bytes() * 1.5)
+    cluster = WorkerCluster(default_snapshot(workers=2, num_blocks=32, cpu_bytes=budget), simulate=True)
+    with pytest.raises(HostMemoryError, match=r"host pools need \d+ bytes \(2 ranks x \d+ bytes\) but only \d+"):
+        cluster.start()
+    assert not mp.active_children()
+    with pytest.raises(HostMemoryError, match="one shared pool"):
+        check_pools_fit([plan_host_pool_from_config(translate_snapshot(small_snapshot()))], shared=True, available=1)
+
+
+def test_unrunnable_rank_config_is_refused_before_spawning() -> None:
+    snapshot = snapshot_with_overrides(small_snapshot(), cpu_bytes=None, policy="mru")
+    with pytest.raises(ConfigError, match=r"eviction_policy.*'mru'"):
+        WorkerCluster(snapshot, simulate=True).start()
+    assert not mp.active_children()
+
+
+def test_segment_of_a_killed_owner_is_swept(tmp_path: Path) -> None:
+    """SIGKILL right after the shared pool file is created leaves it behind; the next sweep removes it."""
+    code = (
+        "import sys, time\n"
+        "from kvoffload.offload.host_pool import HostPool, owned_pool_id, plan_host_pool\n"
+        "plan = plan_host_pool(worker_kv_bytes_per_block=4096, world_size=1, blocks_per_chunk=1,\n"
+        "                      cpu_bytes_to_use=1 << 20, replicated=False, rank=0)\n"
+        "pool = HostPool(plan, engine_id=owned_pool_id('leak'), shm_dir=sys.argv[1])\n"
+        "print(pool.path, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        assert proc.stdout is not None
+        leaked = Path(proc.stdout.readline().strip())
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert leaked.name == f"kvoffload_leak.pid{proc.pid}.mmap" and leaked.exists()
+    mine = HostPool(
+        plan_host_pool(
+            worker_kv_bytes_per_block=4096,
+            world_size=1,
+            blocks_per_chunk=1,
+            cpu_bytes_to_use=1 << 20,
+            replicated=False,
+            rank=0,
+        ),
+        engine_id=owned_pool_id("live"),
+        shm_dir=tmp_path,
+    )
+    unowned = tmp_path / "kvoffload_someone-else.mmap"
+    unowned.write_bytes(b"")
+    try:
+        assert sweep_stale_pools(tmp_path) == [leaked]
+        assert not leaked.exists() and mine.path is not None and mine.path.exists() and unowned.exists()
+    finally:
+        mine.close()
+
+
+def test_channel_caps_attachments_and_frame_0_per_message() -> None:
+    left, right = mp.Pipe()
+    sender = Channel(left)
+    receiver = Channel(right, max_body_bytes=1000, max_attachments=2, max_attachment_bytes=10_000)
+    sender.send(Shutdown(), [b"a", b"b"])
+    assert len(receiver.recv(1.0).attachments) == 2
+    sender.send(Shutdown(), [b"x"] * 3)
+    with pytest.raises(WireError, match="max_attachments=2"):
+        receiver.recv(1.0)
+    left, right = mp.Pipe()
+    sender, receiver = Channel(left), Channel(right, max_attachment_bytes=10_000)
+    sender.send(Shutdown(), [b"x" * 6000, b"y" * 6000])  # each fits, together they do not
+    with pytest.raises(WireError, match="max_attachment_bytes=10000"):
+        receiver.recv(1.0)
+    left, right = mp.Pipe()
+    sender, receiver = Channel(left), Channel(right, max_body_bytes=100)
+    sender.send(Shutdown(reason="r" * 5000))  # frame 0 is refused from its length, before it is read
+    with pytest.raises(WireError, match="max_body_bytes=100"):
+        receiver.recv(1.0)
+
+
+def test_demo_request_that_outgrows_the_engine_pool_is_refused_not_livelocked() -> None:
+    # The up-front bound passes (it counts one reply per conversation), but the 6th turn needs 34 of 32 blocks.
+    options = DemoOptions(
+        requests=6,
+        conversations=1,
+        system_prompt_tokens=64,
+        turn_tokens=(16, 16),
+        decode_tokens=64,
+        memcpy_probe_bytes=0,
+    )
+    with pytest.raises(ConfigError, match=r"request conv0-turn6 needs 34 engine blocks \(544 tokens\).*num_blocks=32"):
+        run_demo(small_snapshot(), options, progress=False, max_steps=5000)
+    assert not mp.active_children()

@@ -14,7 +14,7 @@ reveal_type(snapshot.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
 reveal_type(snapshot.engine_config.kv_transfer_config)  # revealed: kvoffload._generated.types.KVTransferConfig | None
 reveal_type(codecs.decode_offloading_config_msgpack(b""))  # revealed: kvoffload._generated.types.OffloadingConfig
 reveal_type(codecs.decode_step_plan_msgpack(b"").load_jobs[0].block_ids)  # revealed: kvoffload.packed.Int64Bytes
-reveal_type(codecs.MESSAGE_DECODERS[2](b""))  # revealed: kvoffload._generated.types.Hello | kvoffload._generated.types.StepPlan | kvoffload._generated.types.WorkerReport | kvoffload._generated.types.Shutdown | kvoffload._generated.types.KVEventBatch
+reveal_type(codecs.MESSAGE_DECODERS[2](b""))  # revealed: kvoffload._generated.types.Hello | kvoffload._generated.types.StepPlan | kvoffload._generated.types.WorkerReport | kvoffload._generated.types.Shutdown | kvoffload._generated.types.KVEventBatch | kvoffload._generated.types.WorkerFailure | kvoffload._generated.types.Heartbeat
 reveal_type(codecs.encode_engine_snapshot_json(snapshot))  # revealed: bytes
 reveal_type(pack_int64([1, 2]))  # revealed: kvoffload.packed.Int64Bytes
 reveal_type(pack_int32([1, 2]))  # revealed: kvoffload.packed.Int32Bytes

@@ -15,12 +15,14 @@ from kvoffload.packed import json_schema_hook
 
 from .types import (
     EngineSnapshot,
+    Heartbeat,
     Hello,
     KVEventBatch,
     Message,
     OffloadingConfig,
     Shutdown,
     StepPlan,
+    WorkerFailure,
     WorkerReport,
 )
 
@@ -218,11 +220,61 @@ def decode_kv_event_batch_msgpack(data: Buffer) -> KVEventBatch:
     return _KV_EVENT_BATCH_MSGPACK.decode(data)
 
 
+_WORKER_FAILURE_JSON: Final = msgspec.json.Decoder(WorkerFailure)
+_WORKER_FAILURE_MSGPACK: Final = msgspec.msgpack.Decoder(WorkerFailure)
+
+
+def encode_worker_failure_json(obj: WorkerFailure) -> bytes:
+    """Encode a WorkerFailure as JSON."""
+    return _JSON_ENCODER.encode(obj)
+
+
+def decode_worker_failure_json(data: Buffer | str) -> WorkerFailure:
+    """Decode a WorkerFailure from JSON; raises msgspec.ValidationError naming the path."""
+    return _WORKER_FAILURE_JSON.decode(data)
+
+
+def encode_worker_failure_msgpack(obj: WorkerFailure) -> bytes:
+    """Encode a WorkerFailure as msgpack."""
+    return _MSGPACK_ENCODER.encode(obj)
+
+
+def decode_worker_failure_msgpack(data: Buffer) -> WorkerFailure:
+    """Decode a WorkerFailure from msgpack; raises msgspec.ValidationError naming the path."""
+    return _WORKER_FAILURE_MSGPACK.decode(data)
+
+
+_HEARTBEAT_JSON: Final = msgspec.json.Decoder(Heartbeat)
+_HEARTBEAT_MSGPACK: Final = msgspec.msgpack.Decoder(Heartbeat)
+
+
+def encode_heartbeat_json(obj: Heartbeat) -> bytes:
+    """Encode a Heartbeat as JSON."""
+    return _JSON_ENCODER.encode(obj)
+
+
+def decode_heartbeat_json(data: Buffer | str) -> Heartbeat:
+    """Decode a Heartbeat from JSON; raises msgspec.ValidationError naming the path."""
+    return _HEARTBEAT_JSON.decode(data)
+
+
+def encode_heartbeat_msgpack(obj: Heartbeat) -> bytes:
+    """Encode a Heartbeat as msgpack."""
+    return _MSGPACK_ENCODER.encode(obj)
+
+
+def decode_heartbeat_msgpack(data: Buffer) -> Heartbeat:
+    """Decode a Heartbeat from msgpack; raises msgspec.ValidationError naming the path."""
+    return _HEARTBEAT_MSGPACK.decode(data)
+
+
 MESSAGE_DECODERS: Final[dict[int, Callable[[Buffer], Message]]] = {
     1: decode_hello_msgpack,
     2: decode_step_plan_msgpack,
     3: decode_worker_report_msgpack,
     4: decode_shutdown_msgpack,
     5: decode_kv_event_batch_msgpack,
+    9: decode_worker_failure_msgpack,
+    10: decode_heartbeat_msgpack,
 }
 """Message id -> msgpack decoder of that message."""

@@ -14,7 +14,7 @@ from kvoffload.packed import Int32Bytes, Int64Bytes
 
 SCHEMA_NAME: Final = "kvoffload"
 SCHEMA_VERSION: Final = "1.3"
-SCHEMA_FINGERPRINT: Final = "a908103ade56326e"
+SCHEMA_FINGERPRINT: Final = "498e022764266913"
 
 
 class DType(enum.StrEnum):
@@ -131,6 +131,15 @@ class MissReason(enum.StrEnum):
     OUTSIDE_WINDOW = "outside_window"
     LOAD_LIMIT = "load_limit"
     AFTER_GAP = "after_gap"
+
+
+class LoadMode(enum.StrEnum):
+    """How the vLLM connector loads host hits: `async` between engine steps (vLLM's default), `sync`
+    inside the step.
+    """
+
+    ASYNC = "async"
+    SYNC = "sync"
 
 
 class ModelConfig(
@@ -836,6 +845,9 @@ class TransferJob(
     sync: bool = False
     """A synchronous load the step waits for."""
 
+    chunk_tags: Int64Bytes = Int64Bytes(b"")
+    """Per chunk id: a 64-bit hash of the offload key it holds (empty: no tags). (since 1.3)"""
+
 
 class StepPlan(
     msgspec.Struct,
@@ -890,6 +902,12 @@ class JobResult(
 
     seconds: Annotated[float, msgspec.Meta(ge=0.0)]
     """Transfer time."""
+
+    error: str = ""
+    """Why the job failed (empty on success). (since 1.3)"""
+
+    corrupt_chunk_ids: Int64Bytes = Int64Bytes(b"")
+    """Chunks whose key tag or checksum did not verify on load. (since 1.3)"""
 
 
 class WorkerReport(
@@ -1014,6 +1032,101 @@ class KVEventBatch(
     """Publishing engine; sequence numbers count per engine. (since 1.3)"""
 
 
+class WorkerFailure(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    array_like=True,
+):
+    """Worker -> scheduler, its last message: why it cannot go on (the exception it stopped on).
+
+    Since schema 1.3.
+    """
+
+    MESSAGE_ID: ClassVar[int] = 9
+
+    rank: Annotated[int, msgspec.Meta(ge=0)]
+    """Failing worker."""
+
+    error_type: str
+    """Class name of the worker's exception, e.g. ConfigError."""
+
+    message: str
+    """The exception's message."""
+
+    step: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Last step the worker received (0 before the first)."""
+
+
+class Heartbeat(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    array_like=True,
+    gc=False,
+):
+    """Worker -> scheduler, from a thread every few seconds: the process is alive (a stopped one sends
+    none).
+
+    Since schema 1.3.
+    """
+
+    MESSAGE_ID: ClassVar[int] = 10
+
+    rank: Annotated[int, msgspec.Meta(ge=0)]
+    """Sending worker."""
+
+    seq: Annotated[int, msgspec.Meta(ge=0)]
+    """Heartbeat counter, from 0."""
+
+
+class VLLMConnectorConfig(
+    msgspec.Struct,
+    frozen=True,
+    kw_only=True,
+    forbid_unknown_fields=True,
+):
+    """`kv_connector_extra_config` of `KVOffloadConnector`: vLLM's OffloadingConnector keys plus
+    kvoffload's own.
+
+    Decoded strictly: an unknown or misspelled key fails engine start with its name.
+
+    Since schema 1.3.
+    """
+
+    cpu_bytes_to_use: Annotated[int, msgspec.Meta(ge=1)]
+    """Total host pool bytes across all workers (vLLM's key; required)."""
+
+    block_size: int | None = None
+    """Tokens per offloaded chunk, a multiple of the engine block size (exclusive with
+    blocks_per_chunk).
+    """
+
+    blocks_per_chunk: int | None = None
+    """Engine blocks per offloaded chunk (exclusive with block_size; 1 when both are absent)."""
+
+    eviction_policy: str = "lru"
+    """Host pool eviction policy: lru, arc, or a name registered with kvoffload.register_policy."""
+
+    store_threshold: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Offers a chunk needs before it is stored (2 or more enables counting)."""
+
+    max_tracker_size: Annotated[int, msgspec.Meta(ge=1)] = 64000
+    """Chunks whose offers are counted for store_threshold."""
+
+    offload_prompt_only: bool = True
+    """Store only prompt tokens (vLLM's default); false also stores decoded tokens."""
+
+    canonical_layout: bool = False
+    """Request vLLM's canonical (topology-free) host layout in the plan."""
+
+    spec_name: str | None = None
+    """vLLM's spec selector; only CPUOffloadingSpec (the host pool) is implemented."""
+
+    load_mode: LoadMode = LoadMode.ASYNC
+    """Load host hits between steps (async) or inside the step that needs them (sync)."""
+
+
 KVCacheSpec: TypeAlias = (
     FullAttentionSpec
     | MLAAttentionSpec
@@ -1030,7 +1143,7 @@ KVEvent: TypeAlias = BlockStored | BlockRemoved
 """A KV cache event, tagged by `type`."""
 
 
-Message: TypeAlias = Hello | StepPlan | WorkerReport | Shutdown | KVEventBatch
+Message: TypeAlias = Hello | StepPlan | WorkerReport | Shutdown | KVEventBatch | WorkerFailure | Heartbeat
 """Any top-level wire message."""
 
 MESSAGE_TYPES: Final[dict[int, type[Message]]] = {
@@ -1039,5 +1152,7 @@ MESSAGE_TYPES: Final[dict[int, type[Message]]] = {
     3: WorkerReport,
     4: Shutdown,
     5: KVEventBatch,
+    9: WorkerFailure,
+    10: Heartbeat,
 }
 """Message id (the envelope's kind byte) -> message class."""

@@ -11,6 +11,8 @@ Three layers, each usable on its own:
   holds engine block ``j`` of the chunk and a partly covered first chunk is entered at ``block_index % bpc``.
 * :class:`CopyEngine` executes jobs in submission order per direction and reports
   :class:`TransferResult` s: on CPU with one thread per direction, on CUDA with one stream per direction.
+* :func:`build_block_slots` names the sub-blocks a job touches (same index math as the runs) so that stores
+  seal and loads verify them in the pool's integrity table (:mod:`kvoffload.offload.integrity`).
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
+import xxhash
 
 from kvoffload.errors import ConfigError, InvalidStateError, TransferError
 from kvoffload.offload.host_pool import HostPool
+from kvoffload.offload.integrity import BlockSlots, IntegrityTable
 
 if TYPE_CHECKING:
     from kvoffload._generated import KVCacheConfig, OffloadingConfig
@@ -45,6 +50,7 @@ __all__ = [
     "PlacementLike",
     "TransferLayout",
     "TransferResult",
+    "build_block_slots",
     "build_copy_runs",
     "build_transfer_layout",
     "transfer_layout_from_config",
@@ -55,6 +61,8 @@ IdsLike = Sequence[int] | torch.Tensor
 
 _PIECE_BYTES = 4 << 20
 """On CPU, longer runs are cut into pieces of this size so that the copy threads share the work evenly."""
+
+_xxh3_64 = xxhash.xxh3_64_intdigest
 
 _PARALLEL_MIN_BYTES = 2 << 20
 """On CPU, jobs smaller than this run on the direction's thread alone (waking helpers costs more)."""
@@ -385,8 +393,8 @@ def build_copy_runs(
         num_bytes += n * group.bytes_per_block
         if not group.segments:
             continue
-        sub = torch.arange(skip, skip + n, dtype=torch.int64)
-        host_block = group_chunks[sub // bpc] * host_row_bytes + (sub % bpc) * wkb + host_slot_offset
+        chunk_of_block, sub_block = _block_positions(group_chunks, skip, n, bpc)
+        host_block = chunk_of_block * host_row_bytes + sub_block * wkb + host_slot_offset
         seg = torch.tensor(
             [(s.engine_offset, s.block_stride, s.length, s.host_offset) for s in group.segments],
             dtype=torch.int64,
@@ -400,6 +408,72 @@ def build_copy_runs(
         return CopyRuns.empty()
     (engine, host), length = _merge((torch.cat(engine_parts), torch.cat(host_parts)), torch.cat(length_parts))
     return CopyRuns(engine, host, length, num_bytes)
+
+
+def _block_positions(group_chunks: torch.Tensor, skip: int, n: int, bpc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host chunk id and sub-block of each of a group's ``n`` blocks entered at sub-block ``skip`` (§4.6)."""
+    sub = torch.arange(skip, skip + n, dtype=torch.int64)
+    return group_chunks[sub // bpc], sub % bpc
+
+
+def build_block_slots(
+    layout: TransferLayout,
+    table: IntegrityTable,
+    *,
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
+    chunk_ids: IdsLike,
+    chunk_tags: IdsLike | None,
+    blocks_per_chunk: int,
+    host_row_bytes: int,
+    host_slot_offset: int = 0,
+) -> BlockSlots:
+    """The sub-blocks a job writes or reads, for integrity: same index math as :func:`build_copy_runs`.
+
+    Each engine block of group ``g`` covers bytes ``[0, bytes_per_block)`` of its sub-block slot (a group's
+    pages are packed from the slot start). ``chunk_tags[i]`` is the key tag of ``chunk_ids[i]``; ``None``
+    or empty means untagged (tag 0). Call after :func:`build_copy_runs` validated the job.
+    """
+    bpc = blocks_per_chunk
+    chunks = _as_ids(chunk_ids, "chunk_ids")
+    tags = torch.zeros_like(chunks) if chunk_tags is None else _as_ids(chunk_tags, "chunk_tags")
+    if tags.numel() == 0:
+        tags = torch.zeros_like(chunks)
+    if tags.numel() != chunks.numel():
+        raise ConfigError(f"chunk_tags has {tags.numel()} entries but the job has {chunks.numel()} chunk_ids")
+    wkb = layout.worker_kv_bytes_per_block
+    chunk_parts: list[torch.Tensor] = []
+    sub_parts: list[torch.Tensor] = []
+    tag_parts: list[torch.Tensor] = []
+    length_parts: list[torch.Tensor] = []
+    chunk_pos = 0
+    for g, (n, b) in enumerate(zip(group_sizes, block_indices, strict=True)):
+        if n == 0:
+            continue
+        skip = b % bpc
+        count = -(-(n + skip) // bpc)
+        positions = torch.arange(chunk_pos, chunk_pos + count, dtype=torch.int64)
+        chunk_pos += count
+        chunk_of_block, sub_block = _block_positions(chunks[positions], skip, n, bpc)
+        tag_of_block, _ = _block_positions(tags[positions], skip, n, bpc)
+        chunk_parts.append(chunk_of_block)
+        sub_parts.append(sub_block)
+        tag_parts.append(tag_of_block)
+        length_parts.append(torch.full((n,), layout.groups[g].bytes_per_block, dtype=torch.int64))
+    if not chunk_parts:
+        none = np.zeros(0, dtype=np.int64)
+        return BlockSlots(none, none, [], [], none)
+    chunk_of = torch.cat(chunk_parts)
+    sub_of = torch.cat(sub_parts)
+    host = chunk_of * host_row_bytes + sub_of * wkb + host_slot_offset
+    chunk_np = chunk_of.numpy()
+    return BlockSlots(
+        entries=table.entry_index(chunk_np, sub_of.numpy()),
+        chunk_ids=chunk_np,
+        host_offsets=host.tolist(),
+        lengths=torch.cat(length_parts).tolist(),
+        tags=torch.cat(tag_parts).numpy(),
+    )
 
 
 def _merge(offsets: tuple[torch.Tensor, ...], length: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -527,24 +601,135 @@ class TransferResult:
     num_bytes: int
     seconds: float
     error: str | None = None
+    corrupt_chunk_ids: tuple[int, ...] = ()
+    """Chunks whose key tag or checksum did not verify (a failed load); empty otherwise."""
 
 
 def _failed(job_id: int, is_store: bool, seconds: float, exc: BaseException) -> TransferResult:
     return TransferResult(job_id, False, is_store, 0, seconds, f"{type(exc).__name__}: {exc}")
 
 
-class _CpuBackend:
-    """One thread per direction runs jobs in order; big jobs are shared with ``threads - 1`` helpers."""
+def _corrupt(job_id: int, seconds: float, chunk_ids: Sequence[int]) -> TransferResult:
+    message = f"integrity: host chunks {list(chunk_ids)} failed verification (key tag or content checksum)"
+    return TransferResult(job_id, False, False, 0, seconds, message, tuple(chunk_ids))
 
-    def __init__(self, kv_flat: torch.Tensor, host_flat: torch.Tensor, threads: int) -> None:
+
+@dataclass(frozen=True)
+class _Integrity:
+    """What a backend needs to seal stores and verify loads: the pool's table and the host bytes."""
+
+    table: IntegrityTable
+    host: memoryview
+    checksums: bool
+
+    def seal(self, slots: BlockSlots | None, sums: list[int] | None = None) -> None:
+        if slots is not None and len(slots):
+            self.table.seal(slots, self.host, checksums=self.checksums, sums=sums)
+
+    def verify(self, slots: BlockSlots | None, sums: list[int] | None = None) -> list[int]:
+        if slots is None or not len(slots):
+            return []
+        return self.table.verify(slots, self.host, checksums=self.checksums, sums=sums)
+
+
+@dataclass(frozen=True)
+class _HashedPart:
+    """A share of a checksummed job: slots in host order and the runs that lie in them (absolute pointers)."""
+
+    slots: list[int]  # indices into the job's BlockSlots
+    run_starts: list[int]  # host offsets, relative to the rows
+    run_ends: list[int]
+    dsts: list[int]
+    srcs: list[int]
+    lengths: list[int]
+
+
+def _hashed_parts(
+    runs: CopyRuns, is_store: bool, kv_ptr: int, host_ptr: int, slots: BlockSlots, parts: int
+) -> list[_HashedPart]:
+    """Split a checksummed job into up to ``parts`` shares of about equal bytes, cut only between slots that
+    no run spans (so a share never hashes bytes another share is still writing)."""
+    order = torch.argsort(runs.host_offsets)
+    host_start = runs.host_offsets[order]
+    lengths = runs.lengths[order]
+    starts = host_start.tolist()
+    ends = (host_start + lengths).tolist()
+    abs_host = (host_start + host_ptr).tolist()
+    abs_engine = (runs.engine_offsets[order] + kv_ptr).tolist()
+    dsts, srcs = (abs_host, abs_engine) if is_store else (abs_engine, abs_host)
+    length_list = lengths.tolist()
+    visit = sorted(range(len(slots)), key=slots.host_offsets.__getitem__)
+    total = sum(slots.lengths) or 1
+    out: list[_HashedPart] = []
+    r = 0
+    share: list[int] = []
+    done = 0
+    for position, i in enumerate(visit):
+        share.append(i)
+        done += slots.lengths[i]
+        last = position + 1 == len(visit)
+        if not last and done * parts < total * (len(out) + 1):
+            continue
+        # the share ends here: take every run starting before the next slot, unless one spans into it
+        limit = slots.host_offsets[visit[position + 1]] if not last else None
+        j = r
+        while j < len(starts) and (limit is None or starts[j] < limit):
+            j += 1
+        if limit is not None and j > r and ends[j - 1] > limit:
+            continue  # a run crosses into the next slot: keep growing this share
+        out.append(_HashedPart(share, starts[r:j], ends[r:j], dsts[r:j], srcs[r:j], length_list[r:j]))
+        share, r = [], j
+    if r < len(starts):  # runs beyond every slot (none for a job built by build_copy_runs)
+        out.append(_HashedPart([], starts[r:], ends[r:], dsts[r:], srcs[r:], length_list[r:]))
+    return out
+
+
+def _copy_and_hash(part: _HashedPart, is_store: bool, slots: BlockSlots, host: memoryview, digests: list[int]) -> None:
+    """Copy a share's runs and hash each of its slots while the bytes are in cache (digests by slot index).
+
+    A store hashes a slot right after copying the runs that start before its end; a load hashes a slot first
+    and then copies the runs that end within it, so every byte it hands to the engine was just hashed.
+    """
+    starts, ends, dsts, srcs, lengths = part.run_starts, part.run_ends, part.dsts, part.srcs, part.lengths
+    offsets, sizes = slots.host_offsets, slots.lengths
+    digest = _xxh3_64
+    r, count = 0, len(lengths)
+    for i in part.slots:
+        first = offsets[i]
+        last = first + sizes[i]
+        if is_store:
+            j = r
+            while j < count and starts[j] < last:
+                j += 1
+            _memmove_runs(dsts[r:j], srcs[r:j], lengths[r:j])
+            digests[i] = digest(host[first:last])
+        else:
+            digests[i] = digest(host[first:last])
+            j = r
+            while j < count and ends[j] <= last:
+                j += 1
+            _memmove_runs(dsts[r:j], srcs[r:j], lengths[r:j])
+        r = j
+    _memmove_runs(dsts[r:], srcs[r:], lengths[r:])
+
+
+class _CpuBackend:
+    """One thread per direction runs jobs in order; big jobs are shared with ``threads - 1`` helpers.
+
+    Integrity runs on the direction's thread right after a job's copy, while its bytes are still in cache:
+    a store seals its sub-blocks, a load verifies them and fails if any does not match.
+    """
+
+    def __init__(self, kv_flat: torch.Tensor, host_flat: torch.Tensor, threads: int, integrity: _Integrity) -> None:
         self._kv = kv_flat
+        self._integrity = integrity
         self._host = host_flat  # the references keep the memory behind the raw pointers alive
         self._parts = threads
         self._helpers = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvoffload-copy") if threads > 1 else None
         self._cond = threading.Condition()
         self._done: dict[bool, deque[TransferResult]] = {True: deque(), False: deque()}
         self._pending: set[int] = set()
-        self._queues: dict[bool, queue.SimpleQueue[tuple[int, CopyRuns] | None]] = {
+        self._queues: dict[bool, queue.SimpleQueue[tuple[int, CopyRuns, BlockSlots | None] | None]] = {
             True: queue.SimpleQueue(),
             False: queue.SimpleQueue(),
         }
@@ -555,19 +740,33 @@ class _CpuBackend:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, job_id: int, is_store: bool, runs: CopyRuns) -> None:
+    def submit(self, job_id: int, is_store: bool, runs: CopyRuns, slots: BlockSlots | None) -> None:
         with self._cond:
             self._pending.add(job_id)
-        self._queues[is_store].put((job_id, runs))
+        self._queues[is_store].put((job_id, runs, slots))
 
     def _loop(self, is_store: bool) -> None:
         jobs = self._queues[is_store]
+        integrity = self._integrity
         while (item := jobs.get()) is not None:
-            job_id, runs = item
+            job_id, runs, slots = item
             start = time.perf_counter()
             try:
-                self._execute(runs, is_store)
-                result = TransferResult(job_id, True, is_store, runs.num_bytes, time.perf_counter() - start)
+                sums: list[int] | None = None
+                if integrity.checksums and slots is not None and len(slots) and len(runs):
+                    sums = self._execute_hashed(runs, is_store, slots)
+                else:
+                    self._execute(runs, is_store)
+                if is_store:
+                    integrity.seal(slots, sums)
+                    bad = []
+                else:
+                    bad = integrity.verify(slots, sums)
+                seconds = time.perf_counter() - start
+                if bad:
+                    result = _corrupt(job_id, seconds, bad)
+                else:
+                    result = TransferResult(job_id, True, is_store, runs.num_bytes, seconds)
             except Exception as exc:
                 result = _failed(job_id, is_store, time.perf_counter() - start, exc)
             with self._cond:
@@ -588,6 +787,29 @@ class _CpuBackend:
         for error in errors:
             if error is not None:
                 raise error
+
+    def _execute_hashed(self, runs: CopyRuns, is_store: bool, slots: BlockSlots) -> list[int]:
+        """Copy and hash in shares (helpers copy while another share hashes); the slots' digests."""
+        parallel = self._helpers is not None and runs.num_bytes >= _PARALLEL_MIN_BYTES
+        work = _hashed_parts(
+            runs, is_store, self._kv.data_ptr(), self._host.data_ptr(), slots, self._parts if parallel else 1
+        )
+        digests = [0] * len(slots)
+        host = self._integrity.host
+        futures = (
+            [self._helpers.submit(_copy_and_hash, w, is_store, slots, host, digests) for w in work[1:]]
+            if self._helpers
+            else []
+        )
+        try:
+            if work:
+                _copy_and_hash(work[0], is_store, slots, host, digests)
+        finally:
+            errors = [f.exception() for f in futures]
+        for error in errors:
+            if error is not None:
+                raise error
+        return digests
 
     def poll(self) -> list[TransferResult]:
         with self._cond:
@@ -629,22 +851,39 @@ class _CudaJob:
     end: torch.cuda.Event | None
     keep: list[torch.Tensor]
     error: BaseException | None = None
+    slots: BlockSlots | None = None
+    corrupt: tuple[int, ...] = ()
 
 
 class _CudaBackend:
-    """One CUDA stream per direction; jobs run in order on it and complete when their end event fires."""
+    """One CUDA stream per direction; jobs run in order on it and complete when their end event fires.
 
-    def __init__(self, kv_flat: torch.Tensor, host_flat: torch.Tensor) -> None:
+    Integrity stays off the copy streams: a load's host sub-blocks are verified on the host before its
+    copies are enqueued (a mismatch fails the job without copying), and a store is sealed on the host in
+    :meth:`poll` once its end event has completed. The compute stream is never synchronized.
+    """
+
+    def __init__(self, kv_flat: torch.Tensor, host_flat: torch.Tensor, integrity: _Integrity) -> None:
         self._kv = kv_flat
+        self._integrity = integrity
         self._host = host_flat
         self._device = kv_flat.device
         self._streams = {d: _new_stream(self._device) for d in (True, False)}
         self._jobs: dict[bool, deque[_CudaJob]] = {True: deque(), False: deque()}
         self._last_end: dict[bool, torch.cuda.Event | None] = {True: None, False: None}
 
-    def submit(self, job_id: int, is_store: bool, runs: CopyRuns) -> None:
+    def submit(self, job_id: int, is_store: bool, runs: CopyRuns, slots: BlockSlots | None) -> None:
         stream = self._streams[is_store]
         start, end = _timing_event(), _timing_event()
+        if not is_store:
+            try:
+                bad = self._integrity.verify(slots)
+            except Exception as exc:
+                self._jobs[is_store].append(_CudaJob(job_id, 0, None, None, [], exc))
+                return
+            if bad:
+                self._jobs[is_store].append(_CudaJob(job_id, 0, None, None, [], None, corrupt=tuple(bad)))
+                return
         try:
             # Start after the compute stream's pending work (which produced or still reads these blocks)
             # and after this direction's previous job (strict FIFO per direction).
@@ -660,7 +899,7 @@ class _CudaBackend:
             self._jobs[is_store].append(_CudaJob(job_id, 0, None, None, [], exc))
             return
         self._last_end[is_store] = end
-        self._jobs[is_store].append(_CudaJob(job_id, runs.num_bytes, start, end, keep))
+        self._jobs[is_store].append(_CudaJob(job_id, runs.num_bytes, start, end, keep, slots=slots))
 
     def poll(self) -> list[TransferResult]:
         out: list[TransferResult] = []
@@ -669,14 +908,18 @@ class _CudaBackend:
             while jobs:
                 job = jobs[0]
                 try:
-                    if job.error is None and job.end is not None and job.start is not None:
+                    if job.corrupt:
+                        result = _corrupt(job.job_id, 0.0, job.corrupt)
+                    elif job.error is None and job.end is not None and job.start is not None:
                         if not _done(job.end):
                             break
                         seconds = job.start.elapsed_time(job.end) * 1e-3
+                        if is_store:
+                            self._integrity.seal(job.slots)  # host bytes are final once the end event fired
                         result = TransferResult(job.job_id, True, is_store, job.num_bytes, seconds)
                     else:
                         result = _failed(job.job_id, is_store, 0.0, job.error or TransferError("no events"))
-                except RuntimeError as exc:  # an asynchronous CUDA error surfaces here
+                except Exception as exc:  # an asynchronous CUDA error surfaces here
                     result = _failed(job.job_id, is_store, 0.0, exc)
                 jobs.popleft()
                 out.append(result)
@@ -710,6 +953,11 @@ class CopyEngine:
     :meth:`poll` returns finished jobs, in submission order per direction. CPU memory: one thread per
     direction (``cpu_threads`` threads share a big job). CUDA memory: one stream per direction, timed with
     CUDA events. Copy failures become ``TransferResult(success=False)``. Call from one thread.
+
+    Integrity (on by default): every store records, per sub-block of this rank's slot, the key tag from
+    ``chunk_tags`` and an xxh3_64 checksum of the stored bytes in the pool's table; every load verifies both
+    and fails with ``corrupt_chunk_ids`` on a mismatch or a missing entry. ``checksums=False`` skips the
+    content checksums (key tags are still written and verified); every rank of a pool must agree on it.
     """
 
     def __init__(
@@ -719,7 +967,10 @@ class CopyEngine:
         host_pool: HostPool,
         *,
         cpu_threads: int | None = None,
+        checksums: bool = True,
     ) -> None:
+        if not isinstance(checksums, bool):
+            raise ConfigError(f"checksums={checksums!r} must be a bool")
         if not kv_memory.is_contiguous():
             raise ConfigError(f"kv_memory must be contiguous (shape {tuple(kv_memory.shape)})")
         kv_flat = kv_memory.reshape(-1).view(torch.uint8)
@@ -746,16 +997,20 @@ class CopyEngine:
         self._row_bytes = host_pool.row_bytes
         self._slot_offset = host_pool.slot_offset
         self._writes = host_pool.writes
+        self._table = host_pool.integrity
+        self._checksums = checksums
         self._unpolled: set[int] = set()
         self._closed = False
         host_flat = rows.reshape(-1)
         self._kv_bytes = kv_flat.numel()
         self._host_bytes = host_flat.numel()
+        host_bytes: memoryview = memoryview(host_flat.numpy())  # type: ignore[arg-type]  # numpy is a buffer
+        integrity = _Integrity(self._table, host_bytes, checksums)
         self._backend: _CpuBackend | _CudaBackend
         if kv_flat.is_cuda:
-            self._backend = _CudaBackend(kv_flat, host_flat)
+            self._backend = _CudaBackend(kv_flat, host_flat, integrity)
         elif kv_flat.device.type == "cpu":
-            self._backend = _CpuBackend(kv_flat, host_flat, threads)
+            self._backend = _CpuBackend(kv_flat, host_flat, threads, integrity)
         else:
             raise ConfigError(f"kv_memory on device {kv_flat.device} is not supported (cpu or cuda)")
 
@@ -788,12 +1043,15 @@ class CopyEngine:
         block_indices: Sequence[int],
         block_ids: IdsLike,
         chunk_ids: IdsLike,
+        chunk_tags: IdsLike | None = None,
     ) -> None:
         """Start copying engine blocks into host chunks (engine → host). Returns immediately.
 
-        A rank that does not write to a shared replicated pool completes the job with 0 bytes.
+        ``chunk_tags[i]`` is the key tag of ``chunk_ids[i]`` (:func:`~kvoffload.offload.integrity.key_tag`;
+        omitted: untagged). A rank that does not write to a shared replicated pool completes the job with 0
+        bytes and leaves the pool's integrity table to the writer.
         """
-        self._submit(True, job_id, group_sizes, block_indices, block_ids, chunk_ids)
+        self._submit(True, job_id, group_sizes, block_indices, block_ids, chunk_ids, chunk_tags)
 
     def submit_load(
         self,
@@ -803,9 +1061,14 @@ class CopyEngine:
         block_indices: Sequence[int],
         block_ids: IdsLike,
         chunk_ids: IdsLike,
+        chunk_tags: IdsLike | None = None,
     ) -> None:
-        """Start copying host chunks back into engine blocks (host → engine). Returns immediately."""
-        self._submit(False, job_id, group_sizes, block_indices, block_ids, chunk_ids)
+        """Start copying host chunks back into engine blocks (host → engine). Returns immediately.
+
+        The job fails (``corrupt_chunk_ids`` set) when a sub-block it reads was not sealed by a completed
+        store, holds another key than ``chunk_tags`` says, or (with checksums) has other bytes than stored.
+        """
+        self._submit(False, job_id, group_sizes, block_indices, block_ids, chunk_ids, chunk_tags)
 
     def _submit(
         self,
@@ -815,6 +1078,7 @@ class CopyEngine:
         block_indices: Sequence[int],
         block_ids: IdsLike,
         chunk_ids: IdsLike,
+        chunk_tags: IdsLike | None = None,
     ) -> None:
         if self._closed:
             raise InvalidStateError(f"job {job_id}: the copy engine is closed")
@@ -832,10 +1096,30 @@ class CopyEngine:
                 low, high = int(offsets.min()), int((offsets + runs.lengths).max())
                 if low < 0 or high > limit:
                     raise ConfigError(f"job {job_id}: runs reach {side} bytes [{low}, {high}) outside [0, {limit})")
+        slots: BlockSlots | None = None
         if is_store and not self._writes:
             runs = CopyRuns.empty()
+        else:
+            slots = build_block_slots(
+                self._layout,
+                self._table,
+                group_sizes=group_sizes,
+                block_indices=block_indices,
+                chunk_ids=chunk_ids,
+                chunk_tags=chunk_tags,
+                blocks_per_chunk=self._bpc,
+                host_row_bytes=self._row_bytes,
+                host_slot_offset=self._slot_offset,
+            )
+            if is_store:
+                self._table.invalidate(slots)  # unusable until this store's copy has completed
         self._unpolled.add(job_id)
-        self._backend.submit(job_id, is_store, runs)
+        self._backend.submit(job_id, is_store, runs, slots)
+
+    @property
+    def checksums(self) -> bool:
+        """Whether stores record and loads verify content checksums (key tags always are)."""
+        return self._checksums
 
     def poll(self) -> list[TransferResult]:
         """Finished jobs since the last call: stores then loads, each in submission order."""

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from kvoffload.errors import ConfigError, HostMemoryError, InvalidStateError, WorkerError
+from kvoffload.offload.integrity import IntegrityTable, table_bytes, table_entries
 
 if TYPE_CHECKING:
     from kvoffload._generated import OffloadingConfig
@@ -32,9 +33,12 @@ __all__ = [
     "HostPool",
     "HostPoolPlan",
     "available_host_memory_bytes",
+    "check_pools_fit",
+    "owned_pool_id",
     "plan_host_pool",
     "plan_host_pool_from_config",
     "shared_pool_path",
+    "sweep_stale_pools",
 ]
 
 PAGE_SIZE = mmap.PAGESIZE
@@ -81,6 +85,13 @@ class HostPoolPlan:
     def total_bytes(self) -> int:
         """Bytes of the whole (shared) pool: ``num_chunks * row_bytes``."""
         return self.num_chunks * self.row_bytes
+
+    @property
+    def shared_file_bytes(self) -> int:
+        """Size of the shared-memory file: the rows, then the integrity table (0 when there are no rows)."""
+        if self.total_bytes == 0:
+            return 0
+        return self.total_bytes + table_bytes(self.num_chunks, self.copies, self.blocks_per_chunk)
 
     def slot_offset_of(self, rank: int) -> int:
         """Byte offset of ``rank``'s slot inside a shared row (0 for every rank when replicated)."""
@@ -199,6 +210,71 @@ def shared_pool_path(engine_id: str, shm_dir: str | os.PathLike[str] = "/dev/shm
     return Path(shm_dir) / f"kvoffload_{engine_id}.mmap"
 
 
+_OWNED_NAME = re.compile(r"kvoffload_.+\.pid([0-9]{1,10})\.mmap")
+
+
+def owned_pool_id(engine_id: str, pid: int | None = None) -> str:
+    """A shared-pool id that names its owner process (default: this one): ``{engine_id}.pid{pid}``.
+
+    The owner is the process that chose the name and outlives every rank mapping it (the scheduler of a
+    :class:`~kvoffload.runtime.cluster.WorkerCluster`). If it dies without removing the file (SIGKILL),
+    :func:`sweep_stale_pools` in a later run sees the owner is gone and removes it.
+    """
+    return f"{engine_id}.pid{os.getpid() if pid is None else pid}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return True  # another user's process, or a pid we cannot ask about: keep the file
+    return pid > 0
+
+
+def sweep_stale_pools(shm_dir: str | os.PathLike[str] = "/dev/shm") -> list[Path]:
+    """Remove shared-pool files named by :func:`owned_pool_id` whose owner process no longer exists.
+
+    Returns the removed paths. Files without an owner pid in their name are never touched; a reused pid only
+    keeps a stale file longer (it is never a reason to remove a live one).
+    """
+    removed: list[Path] = []
+    with contextlib.suppress(OSError):
+        for path in sorted(Path(shm_dir).glob("kvoffload_*.mmap")):
+            match = _OWNED_NAME.fullmatch(path.name)
+            if match is None or _pid_alive(int(match.group(1))):
+                continue
+            with contextlib.suppress(FileNotFoundError, PermissionError):
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+def check_pools_fit(plans: list[HostPoolPlan], *, shared: bool, available: int | None = None) -> None:
+    """Refuse, before any rank allocates, host pools that together exceed the memory available now.
+
+    ``plans`` holds one plan per rank of one machine; a shared pool is one file for all of them (the largest
+    plan's ``total_bytes``), private pools add up (``num_chunks * slot_bytes`` each). Raises HostMemoryError
+    with the numbers.
+    """
+    if not plans:
+        return
+    if shared:
+        needed = max(plan.total_bytes for plan in plans)
+        what = f"one shared pool of {needed} bytes for {len(plans)} ranks"
+    else:
+        sizes = [plan.num_chunks * plan.slot_bytes for plan in plans]
+        needed = sum(sizes)
+        what = f"{len(plans)} ranks x {max(sizes)} bytes" if len(set(sizes)) == 1 else f"ranks of {sizes} bytes"
+    free = available_host_memory_bytes() if available is None else available
+    if needed > free:
+        raise HostMemoryError(
+            f"host pools need {needed} bytes ({what}) but only {free} bytes of host memory are available; "
+            f"lower cpu_bytes_to_use (={plans[0].cpu_bytes_to_use}, the total across all workers)"
+        )
+
+
 def _check_fits(what: str, requested: int, available: int, plan: HostPoolPlan, row_bytes: int) -> None:
     if requested > available:
         raise HostMemoryError(
@@ -245,6 +321,9 @@ class HostPool:
     the first rank to create it (``O_CREAT|O_EXCL``) sizes it, the others wait up to ``join_timeout_s`` for
     that and map it. The creator removes the file on :meth:`close`, on exit, or earlier via :meth:`unlink`
     once every rank has mapped it. ``pin_memory="auto"`` pins when CUDA is available.
+
+    Beside the rows the pool holds its :attr:`integrity` table (key tag, checksum and state per chunk,
+    slot and sub-block); a shared pool keeps it at the end of the shared file so every rank sees it.
     """
 
     def __init__(
@@ -277,21 +356,35 @@ class HostPool:
             shape = (plan.num_chunks, self._row_bytes)
             self._rows = torch.zeros(shape, dtype=torch.uint8, pin_memory=want_pin)
             self._pinned = want_pin
+            meta = torch.zeros(table_entries(plan.num_chunks, 1, plan.blocks_per_chunk) * 3, dtype=torch.int64)
+            self._integrity = IntegrityTable(
+                meta, num_chunks=plan.num_chunks, slots=1, slot=0, blocks_per_chunk=plan.blocks_per_chunk
+            )
         else:
             self._row_bytes = plan.row_bytes
             self._slot_offset = plan.slot_offset
             self._res.path = shared_pool_path(engine_id, shm_dir)
-            self._rows = self._map_shared(self._res.path, check_memory, join_timeout_s)
+            self._rows, meta = self._map_shared(self._res.path, check_memory, join_timeout_s)
             if want_pin and self._rows.numel() > 0:
                 self._pinned = self._register(self._rows)
+            self._integrity = IntegrityTable(
+                meta,
+                num_chunks=plan.num_chunks,
+                slots=plan.copies,
+                slot=0 if plan.replicated else plan.rank,
+                blocks_per_chunk=plan.blocks_per_chunk,
+            )
 
     # -- construction helpers -------------------------------------------------------------------------
 
-    def _map_shared(self, path: Path, check_memory: bool, join_timeout_s: float) -> torch.Tensor:
+    def _map_shared(self, path: Path, check_memory: bool, join_timeout_s: float) -> tuple[torch.Tensor, torch.Tensor]:
         res, plan = self._res, self._plan
-        total = plan.total_bytes
-        if total == 0:
-            return torch.zeros((plan.num_chunks, self._row_bytes), dtype=torch.uint8)
+        rows_total = plan.total_bytes
+        entries = table_entries(plan.num_chunks, plan.copies, plan.blocks_per_chunk)
+        if rows_total == 0:
+            rows = torch.zeros((plan.num_chunks, self._row_bytes), dtype=torch.uint8)
+            return rows, torch.zeros(entries * 3, dtype=torch.int64)
+        total = plan.shared_file_bytes
         deadline = time.monotonic() + join_timeout_s
         while True:
             try:
@@ -326,8 +419,11 @@ class HostPool:
             res.release()
             raise
         # The tensor (and every view of it) holds the mmap object: the region is unmapped when the last
-        # view dies, never under a live view (so a copy engine may outlive close()).
-        return torch.frombuffer(mapping, dtype=torch.uint8).view(plan.num_chunks, self._row_bytes)
+        # view dies, never under a live view (so a copy engine may outlive close()). Rows are page-rounded,
+        # so the integrity table after them is 8-byte aligned.
+        rows = torch.frombuffer(mapping, dtype=torch.uint8, count=rows_total).view(plan.num_chunks, self._row_bytes)
+        meta = torch.frombuffer(mapping, dtype=torch.int64, count=entries * 3, offset=rows_total)
+        return rows, meta
 
     @staticmethod
     def _wait_for_creator(fd: int, path: Path, total: int, deadline: float, join_timeout_s: float) -> None:
@@ -377,6 +473,11 @@ class HostPool:
     def rows(self) -> torch.Tensor:
         """All chunk rows, ``(num_chunks, row_bytes)`` ``uint8``."""
         return self._live()
+
+    @property
+    def integrity(self) -> IntegrityTable:
+        """Key tags, checksums and states of the stored sub-blocks (see :mod:`kvoffload.offload.integrity`)."""
+        return self._integrity
 
     @property
     def num_chunks(self) -> int:

@@ -97,6 +97,8 @@ class ManagerStats:
     stored: int
     evicted: int
     load_pins: int
+    dropped: int = 0
+    """Keys dropped because their chunk was found corrupt (:meth:`HostBlockManager.drop`), since construction."""
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -123,8 +125,9 @@ class HostBlockManager:
         "_alloc_sizes",
         "_cid",
         "_counts",
+        "_dead",
         "_departed",
-        "_doomed",
+        "_dropped_total",
         "_events",
         "_evictable",
         "_evicted_total",
@@ -186,10 +189,11 @@ class HostBlockManager:
         self._stored_total = 0
         self._evicted_total = 0
         self._load_pins = 0
-        # Observability: why a key left (bounded, oldest forgotten first) and pinned keys to drop at last unpin.
+        self._dead: set[bytes] = set()  # pinned keys dropped as corrupt: freed at their last unpin
+        self._dropped_total = 0
+        # Observability: why a key left (bounded, oldest forgotten first), so a later miss can say so.
         self._max_departures = _check_int("max_departures", max_departures, 1)
         self._departed: OrderedDict[bytes, MissReason] = OrderedDict()
-        self._doomed: dict[bytes, MissReason] = {}
 
     # ------------------------------------------------------------------ introspection
 
@@ -235,6 +239,11 @@ class HostBlockManager:
         """Return the chunk id holding ``key``, or ``None`` if it is not resident."""
         return self._cid.get(key)
 
+    def is_ready(self, key: bytes) -> bool:
+        """Tell whether ``key`` is stored and readable (ready or pinned), without counting a lookup."""
+        ref = self._ref.get(key)
+        return ref is not None and ref >= 0 and key not in self._dead
+
     def has_pending_work(self) -> bool:
         """Tell whether any store is in flight or any load pin is held.
 
@@ -252,7 +261,7 @@ class HostBlockManager:
         lookups, count towards ``store_threshold`` (as in vLLM 0.33.0).
         """
         ref = self._ref.get(key)
-        if ref is None:
+        if ref is None or (self._dead and key in self._dead):
             self._misses += 1
             return _MISS
         self._hits += 1
@@ -268,10 +277,10 @@ class HostBlockManager:
         first_pins: list[bytes] = []
         for i, key in enumerate(keys):
             count = ref.get(key)
-            if count is None or count < 0:
+            if count is None or count < 0 or key in self._dead:
                 for done in keys[:i]:
                     ref[done] -= 1
-                state = "not stored" if count is None else "not ready (its store is in flight)"
+                state = "not stored" if count is None or count > 0 else "not ready (its store is in flight)"
                 raise InvalidStateError(f"cannot load key {key!r}: {state}")
             if count == 0:
                 first_pins.append(key)
@@ -301,11 +310,16 @@ class HostBlockManager:
             ref[key] = count
             if count == 0:
                 released.append(key)
+        if released and self._dead:
+            dead = [key for key in released if key in self._dead]
+            if dead:
+                released = [key for key in released if key not in self._dead]
+                self._dead.difference_update(dead)
+                for key in dead:
+                    self._free_key(key)
         if released:
             self._evictable += len(released)
             self._policy.mark_evictable_many(released)
-            if self._doomed:
-                self._drop_doomed(released)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Record an access to resident ``keys`` for the policy; ``keys[0]`` ends most recent."""
@@ -452,6 +466,39 @@ class HostBlockManager:
         if changed and self._events is not None:
             self._events.append(OffloadEvent(tuple(changed), not success, metadata_only=not success))
 
+    def _free_key(self, key: bytes) -> None:
+        """Forget a resident key and free its chunk (no event, no counters)."""
+        del self._ref[key]
+        self._policy.remove(key)
+        self._free.append(self._cid.pop(key))
+
+    def drop(self, keys: Sequence[bytes], reason: MissReason = MissReason.CORRUPT) -> list[bytes]:
+        """Remove stored keys whose chunks were found corrupt (or unusable for ``reason``), so they are never
+        served again; the reason is remembered for :meth:`miss_reason`.
+
+        A ready, unpinned key is freed now; a key pinned by loads turns dead at once (lookups MISS,
+        ``prepare_load`` refuses it, offers skip it) and its chunk is freed when its last pin is released.
+        Absent and pending keys are ignored. Returns the keys dropped, announced in one removal event.
+        """
+        ref = self._ref
+        dropped: list[bytes] = []
+        for key in dict.fromkeys(keys):
+            count = ref.get(key)
+            if count is None or count < 0 or key in self._dead:
+                continue
+            if count == 0:
+                self._evictable -= 1
+                self._free_key(key)
+            else:
+                self._dead.add(key)
+            dropped.append(key)
+        self._dropped_total += len(dropped)
+        if dropped:
+            self._remember(dropped, reason)
+        if dropped and self._events is not None:
+            self._events.append(OffloadEvent(tuple(dropped), True))
+        return dropped
+
     # ------------------------------------------------------------------ request lifecycle and events
 
     def on_request_finished(
@@ -506,7 +553,7 @@ class HostBlockManager:
         self._evictable = 0
         self._write_pending = 0
         self._store_misses.clear()
-        self._doomed.clear()
+        self._dead.clear()
 
     # ------------------------------------------------------------------ miss explanations (observability)
 
@@ -522,29 +569,34 @@ class HostBlockManager:
     def miss_reason(self, key: bytes) -> MissReason | None:
         """Why ``key`` is not loadable now, or ``None`` when it is stored and ready (no statistics change).
 
-        A pending write answers STORE_PENDING; an absent key answers the remembered reason it left (evicted,
-        store failed, or whatever :meth:`remove` was told), else BELOW_STORE_THRESHOLD when it was offered
-        fewer than ``store_threshold`` times, else NEVER_STORED. The memory is bounded by ``max_departures``
-        (oldest forgotten first) and survives :meth:`reset`.
+        A pending write answers STORE_PENDING; a dropped key (absent, or dead until its last unpin) answers the
+        remembered reason it left (evicted, store failed, corrupt, or whatever :meth:`remove` was told); else
+        BELOW_STORE_THRESHOLD when it was offered fewer than ``store_threshold`` times, else NEVER_STORED. The
+        memory is bounded by ``max_departures`` (oldest forgotten first) and survives :meth:`reset`.
         """
         ref = self._ref.get(key)
         if ref is not None:
-            return MissReason.STORE_PENDING if ref < 0 else None
+            if ref < 0:
+                return MissReason.STORE_PENDING
+            if key not in self._dead:
+                return None
         reason = self._departed.get(key)
         if reason is not None:
             return reason
+        if ref is not None:
+            return MissReason.CORRUPT  # dead, its reason forgotten: only corrupt chunks turn dead on their own
         counts = self._counts
         if counts is not None and 0 < counts.get(key, 0) < self._store_threshold:
             return MissReason.BELOW_STORE_THRESHOLD
         return MissReason.NEVER_STORED
 
     def remove(self, keys: Sequence[bytes], reason: MissReason) -> list[bytes]:
-        """Drop ``keys`` from the pool for ``reason`` (e.g. CORRUPT after a checksum failure, TIER_UNAVAILABLE)
-        and remember it, so later misses on them are explained; returns the keys dropped now.
+        """Drop ``keys`` from the pool for ``reason`` (CORRUPT after a checksum failure, TIER_UNAVAILABLE, ...)
+        and remember it, so later misses on them are explained; returns the resident keys dropped.
 
-        Ready keys are dropped at once (one removal event); a key pinned by loads is dropped when its last pin
-        is released; an absent key only has its reason remembered. A key whose store is in flight cannot be
-        removed (fail its store instead): :class:`InvalidStateError` names it and nothing changes.
+        Resident keys go as with :meth:`drop` (a pinned one turns dead at once and is freed at its last unpin);
+        an absent key only has its reason remembered. A key whose store is in flight cannot be removed (fail its
+        store instead): :class:`InvalidStateError` names it and nothing changes.
         """
         if not isinstance(reason, MissReason):
             raise ConfigError(f"reason must be a MissReason, got {reason!r}")
@@ -552,40 +604,10 @@ class HostBlockManager:
         for key in keys:
             if ref.get(key, 0) < 0:
                 raise InvalidStateError(f"cannot remove key {key!r}: its store is in flight (fail the store instead)")
-        ready: list[bytes] = []
-        for key in dict.fromkeys(keys):
-            count = ref.get(key)
-            if count is None:
-                self._remember((key,), reason)
-            elif count == 0:
-                ready.append(key)
-            else:
-                self._doomed[key] = reason
-        if ready:
-            self._drop(ready, reason)
-        return ready
-
-    def _drop_doomed(self, released: Sequence[bytes]) -> None:
-        """Drop the keys of ``released`` (just unpinned) that :meth:`remove` was asked to drop."""
-        doomed = self._doomed
-        for key in released:
-            reason = doomed.pop(key, None)
-            if reason is not None:
-                self._drop((key,), reason)
-
-    def _drop(self, keys: Sequence[bytes], reason: MissReason) -> None:
-        """Free the chunks of ready, unpinned ``keys``, announce their removal and remember why."""
-        policy = self._policy
-        free = self._free
-        cid = self._cid
-        for key in keys:
-            del self._ref[key]
-            policy.remove(key)
-            free.append(cid.pop(key))
-        self._evictable -= len(keys)
-        self._remember(keys, reason)
-        if self._events is not None:
-            self._events.append(OffloadEvent(tuple(keys), True))
+        absent = [key for key in dict.fromkeys(keys) if key not in ref]
+        if absent:
+            self._remember(absent, reason)
+        return self.drop([key for key in keys if key in ref], reason)
 
     def stats(self) -> ManagerStats:
         """Return usage gauges and counters; allocation sizes and skipped stores restart from zero."""
@@ -613,4 +635,5 @@ class HostBlockManager:
             stored=self._stored_total,
             evicted=self._evicted_total,
             load_pins=self._load_pins,
+            dropped=self._dropped_total,
         )

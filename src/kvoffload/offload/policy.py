@@ -474,8 +474,11 @@ def available_policies() -> tuple[str, ...]:
 
 
 def make_policy(name: str, capacity: int) -> CachePolicy:
-    """Build the policy registered as ``name`` for ``capacity`` chunks; unknown names raise ConfigError."""
+    """Build the policy registered as ``name`` for ``capacity`` chunks.
+
+    Unknown names raise :class:`ConfigError` (a ValueError) with vLLM's text, ``Unknown cache policy: ...``.
+    """
     factory = _REGISTRY.get(name) if isinstance(name, str) else None
     if factory is None:
-        raise ConfigError(f"unknown cache policy {name!r} (policy); known: {', '.join(available_policies())}")
+        raise ConfigError(f"Unknown cache policy: {name!r} (known: {', '.join(available_policies())})")
     return factory(capacity)

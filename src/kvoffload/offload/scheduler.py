@@ -18,6 +18,10 @@ written or loaded; only prompt tokens are stored by default (``offload_prompt_on
 every one of ``world_size`` workers has reported it; a failed job never marks data ready and releases its
 pins. One deliberate difference: chunks found by ``lookup`` are pinned right away (vLLM pins when blocks are
 allocated), so a store planned between lookup and allocation can never evict them.
+
+Integrity: every job carries the key tag of each chunk (``TransferJob.chunk_tags``); a load that a worker
+reports with ``corrupt_chunk_ids`` fails (the request recomputes) and those chunks are dropped from the
+manager, so they are never served again (``SchedulerStats.corrupt_loads`` / ``corrupted_chunks``).
 """
 
 from __future__ import annotations
@@ -37,15 +41,14 @@ from .._generated import (
     WorkerReport,
 )
 from ..errors import ConfigError, InvalidStateError
-from ..packed import pack_int32, pack_int64
+from ..packed import Int64Array, pack_int32, pack_int64
+from .integrity import key_tags
 from .keys import chunk_keys, hashes_per_chunk, offload_key_group, offload_key_hash
-from .manager import HostBlockManager, LookupResult
+from .lookup import maximal_prefix_lookup, sliding_window_lookup
+from .manager import HostBlockManager
 from .misses import ChunkMiss, GroupKeys, explain_lookup, primary_reason
 
 __all__ = ["OffloadScheduler", "ReportOutcome", "SchedulerStats"]
-
-_HIT = LookupResult.HIT
-_MISS = LookupResult.MISS
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +75,8 @@ class _Job:
     failed: bool = False
     stale: bool = False
     reported: set[int] = field(default_factory=set)
+    chunk_keys: dict[int, bytes] = field(default_factory=dict)  # loads: chunk id -> key (integrity)
+    corrupt: bool = False
 
 
 @dataclass(slots=True)
@@ -91,8 +96,9 @@ class _Request:
     hit_start: int = 0
     hit_end: int = 0
     finished: bool = False
-    stored_keys: list[bytes] = field(default_factory=list)
     reused_keys: set[bytes] = field(default_factory=set)
+    # keys the request loaded, stored or found stored when offering -> (end-token position, group id)
+    accessed: dict[bytes, tuple[int, int]] = field(default_factory=dict)
     misses: tuple[ChunkMiss, ...] = ()
 
 
@@ -125,6 +131,10 @@ class SchedulerStats:
     store_seconds: float
     cache_usage: float
     jobs_in_flight: int
+    corrupt_loads: int = 0
+    """Load jobs failed because a worker found a host chunk corrupt (integrity); the request recomputes."""
+    corrupted_chunks: int = 0
+    """Keys dropped from the manager because their host chunk did not verify."""
     # -- observability (issue 13)
     lookup_miss_reasons: Mapping[MissReason, int] = field(default_factory=dict)
     """Lookups that loaded nothing (or were deferred by a pending store), by the reason of their first miss."""
@@ -180,6 +190,7 @@ class OffloadScheduler:
         self._groups = tuple(groups)
         # vLLM visits full attention first, then sliding windows from the largest window down.
         self._lookup_order = tuple(sorted(groups, key=lambda g: (g.window_chunks is not None, -(g.window_chunks or 0))))
+        self._window_groups = tuple(g for g in self._lookup_order if g.window_chunks is not None)
         if offload_prompt_only is None:
             offload_prompt_only = bool(config.extra_config.get("offload_prompt_only", True))
         self.offload_prompt_only = offload_prompt_only
@@ -207,6 +218,8 @@ class OffloadScheduler:
                 "failed_jobs",
                 "bytes_loaded",
                 "bytes_stored",
+                "corrupt_loads",
+                "corrupted_chunks",
             ),
             0,
         )
@@ -293,21 +306,16 @@ class OffloadScheduler:
         max_hit = req.num_tokens - 1
         if req.max_load_tokens is not None:
             max_hit = min(max_hit, num_computed_tokens + req.max_load_tokens)
-        while max_hit > num_computed_tokens:
-            before = max_hit
-            for g in self._lookup_order:
-                limit = self._lookup_group(req, g, num_computed_tokens, max_hit)
-                if limit is None:
-                    self._counters["lookups_deferred"] += 1
-                    self._explain(req, num_computed_tokens, num_computed_tokens, pending_only=True)
-                    return None
-                max_hit = min(max_hit, limit)
-            if max_hit == before:
-                break
-        if max_hit <= num_computed_tokens:
+        hit = self._lookup_groups(req, num_computed_tokens, max_hit)
+        if hit is None:
+            self._counters["lookups_deferred"] += 1
+            self._explain(req, num_computed_tokens, num_computed_tokens, pending_only=True)
+            return None
+        if hit <= 0:
             self._counters["lookup_misses"] += 1
             self._explain(req, num_computed_tokens, num_computed_tokens)
             return 0
+        max_hit = num_computed_tokens + hit
         keys = self._hit_keys(req, num_computed_tokens, max_hit)
         if any(k in self._loading for k in keys):
             # Another request is loading these chunks into engine blocks; the engine's prefix cache will
@@ -339,7 +347,7 @@ class OffloadScheduler:
         counts = self._chunk_misses
         for miss in misses:
             counts[miss.reason] = counts.get(miss.reason, 0) + 1
-        if hit_end <= num_computed:
+        if hit_end <= num_computed and (misses or not pending_only):
             reason = MissReason.STORE_PENDING if pending_only else primary_reason(misses)
             self._lookup_misses[reason] = self._lookup_misses.get(reason, 0) + 1
 
@@ -363,36 +371,52 @@ class OffloadScheduler:
         self._removed[reason] = self._removed.get(reason, 0) + 1
         return dropped
 
-    def _lookup_group(self, req: _Request, g: _Group, num_computed: int, max_hit: int) -> int | None:
-        keys = req.keys[g.index]
-        tpc = g.tokens_per_chunk
-        first = num_computed // tpc
-        last = min(len(keys), max_hit // tpc)
+    def _lookup_groups(self, req: _Request, num_computed: int, max_hit: int) -> int | None:
+        """Tokens beyond ``num_computed`` that every group can load, or None to defer (vLLM's ``_lookup``).
+
+        Groups are visited full attention first, then sliding windows by decreasing window; each tightens
+        ``max_hit`` to its chunk granularity. A group that defers does not stop the others (a later group
+        may still answer "no hit"); when a later group shrinks the hit, a deferral is re-checked by
+        visiting every group again, and earlier sliding windows are re-checked at the new end.
+        Unlike vLLM, hit ends stay chunk-aligned (the scan ends at the last chunk wholly below ``max_hit``).
+        """
         lookup = self.manager.lookup
-        if g.window_chunks is None:
-            i = first
-            while i < last:
-                result = lookup(keys[i])
-                if result is _MISS:
-                    break
-                if result is not _HIT:
-                    return None
-                i += 1
-            return i * tpc
-        window = max(1, g.window_chunks)
-        end = last
-        while end > first:
-            lo = max(0, end - window)
-            for j in range(end - 1, lo - 1, -1):
-                result = lookup(keys[j])
-                if result is _MISS:
-                    end = j
-                    break
-                if result is not _HIT:
-                    return None
-            else:
-                return end * tpc
-        return first * tpc
+        hit = 0
+        defer = False
+        to_visit = self._lookup_order
+        while to_visit:
+            looked_up_window = False
+            visiting, to_visit = to_visit, ()
+            for g in visiting:
+                tpc = g.tokens_per_chunk
+                keys = req.keys[g.index]
+                max_hit = min(max_hit, len(keys) * tpc)
+                if max_hit - num_computed < tpc:
+                    return 0
+                start = num_computed // tpc
+                scanned = keys[start : max_hit // tpc]
+                if g.window_chunks is None:
+                    chunks = maximal_prefix_lookup(lookup, scanned)
+                else:
+                    chunks = sliding_window_lookup(lookup, scanned, max(1, g.window_chunks))
+                if chunks == 0:
+                    return 0
+                if chunks is None:
+                    defer = True
+                else:
+                    max_hit = min(max_hit, (start + chunks) * tpc)
+                new_hit = max_hit - num_computed
+                if new_hit < tpc:
+                    return 0
+                if new_hit < hit:
+                    if defer:
+                        defer = False
+                        to_visit = self._lookup_order
+                    elif looked_up_window and not to_visit:
+                        to_visit = self._window_groups
+                looked_up_window = looked_up_window or g.window_chunks is not None
+                hit = new_hit
+        return None if defer else hit
 
     def _load_range(self, g: _Group, start_tokens: int, end_tokens: int) -> tuple[int, int]:
         """Engine blocks [first, last) of group ``g`` a load of tokens [start, end) must fill."""
@@ -472,7 +496,11 @@ class OffloadScheduler:
             group_sizes.append(max(0, last - first))
             block_indices.append(first)
             blocks.extend(ids[first:last])
-            keys.extend(self._chunk_keys_of_blocks(req, g, first, last))
+            group_keys = self._chunk_keys_of_blocks(req, g, first, last)
+            keys.extend(group_keys)
+            bpc = self.config.cache.blocks_per_chunk
+            for chunk, key in enumerate(group_keys, start=first // bpc):
+                req.accessed[key] = ((chunk + 1) * g.tokens_per_chunk, g.group_id)
         used = set(keys)
         unused = [k for k in req.pinned if k not in used]
         if unused:
@@ -480,6 +508,7 @@ class OffloadScheduler:
         req.pinned = []
         chunk_ids = [self.manager.chunk_id(k) for k in keys]
         job = self._new_job(req, is_store=False, keys=keys, num_tokens=num_external_tokens, blocks=())
+        job.chunk_keys = {c: k for c, k in zip(chunk_ids, keys, strict=True) if c is not None}
         for key in keys:
             self._loading[key] = self._loading.get(key, 0) + 1
         req.reused_keys.update(keys)
@@ -491,6 +520,7 @@ class OffloadScheduler:
                 block_indices=pack_int32(block_indices),
                 block_ids=pack_int64(blocks),
                 chunk_ids=pack_int64([c if c is not None else -1 for c in chunk_ids]),
+                chunk_tags=pack_int64(key_tags(keys)),
             )
         )
         # Loaded chunks are already on the host: do not store them again (vLLM's CHUNK_LEVEL policy).
@@ -556,6 +586,7 @@ class OffloadScheduler:
         null = self.null_block_id
         ranges: list[tuple[int, int]] = []
         offered: list[bytes] = []
+        positions: dict[bytes, tuple[int, int]] = {}
         for g in self._groups:
             ids = req.block_ids[g.index]
             end = min(tokens // g.tokens_per_chunk, len(ids) // bpc, len(req.keys[g.index]))
@@ -563,11 +594,19 @@ class OffloadScheduler:
             ranges.append((start, end))
             for chunk in range(start, end):
                 if null is None or null not in ids[chunk * bpc : (chunk + 1) * bpc]:
-                    offered.append(req.keys[g.index][chunk])
+                    key = req.keys[g.index][chunk]
+                    offered.append(key)
+                    positions[key] = ((chunk + 1) * g.tokens_per_chunk, g.group_id)
         if not offered:
             for g, (start, end) in zip(self._groups, ranges, strict=True):
                 req.next_stored[g.index] = max(start, end)
             return None
+        # As vLLM's manager, the request's accesses are the offered keys already stored (reused) and the
+        # keys it stores; the order the policy sees at finish comes from their positions.
+        ready = [key for key in offered if self.manager.is_ready(key)]
+        req.reused_keys.update(ready)
+        for key in ready:
+            req.accessed[key] = positions[key]
         plan = self.manager.prepare_store(offered, request_id=req.req_id)
         if plan is None:
             self._counters["allocation_failures"] += 1
@@ -575,7 +614,8 @@ class OffloadScheduler:
         for g, (start, end) in zip(self._groups, ranges, strict=True):
             req.next_stored[g.index] = max(start, end)
         accepted = set(plan.keys_to_store)
-        req.reused_keys.update(k for k in offered if k not in accepted)
+        for key in plan.keys_to_store:
+            req.accessed[key] = positions[key]
         if not accepted:
             return None
         group_sizes: list[int] = []
@@ -602,7 +642,6 @@ class OffloadScheduler:
         job = self._new_job(req, is_store=True, keys=keys, num_tokens=num_tokens, blocks=tuple(blocks))
         for block in blocks:
             self._fenced[block] = job.job_id
-        req.stored_keys.extend(keys)
         return TransferJob(
             job_id=job.job_id,
             req_id=req.req_id,
@@ -610,6 +649,7 @@ class OffloadScheduler:
             block_indices=pack_int32(block_indices),
             block_ids=pack_int64(blocks),
             chunk_ids=pack_int64([chunk_of[k] for k in keys]),
+            chunk_tags=pack_int64(key_tags(keys)),
         )
 
     # --------------------------------------------------------------------------------------- completions
@@ -629,6 +669,8 @@ class OffloadScheduler:
                 if job is None or report.rank in job.reported:
                     continue  # unknown, already completed, or a repeated report from the same worker
                 job.reported.add(report.rank)
+                if result.corrupt_chunk_ids and not job.is_store:
+                    self._drop_corrupt(job, Int64Array.from_buffer(result.corrupt_chunk_ids).tolist())
                 self._counters["bytes_stored" if job.is_store else "bytes_loaded"] += result.num_bytes
                 self._seconds["store" if job.is_store else "load"] += result.seconds
                 job.failed = job.failed or not result.success
@@ -637,6 +679,19 @@ class OffloadScheduler:
                     continue
                 self._complete(job, finished, failed_loads, failed_stores)
         return ReportOutcome(tuple(finished), tuple(failed_loads), tuple(failed_stores))
+
+    def _drop_corrupt(self, job: _Job, chunk_ids: list[int]) -> None:
+        """A worker found chunks of this load corrupt: drop their keys so they are never served again."""
+        if not job.corrupt:
+            job.corrupt = True
+            self._counters["corrupt_loads"] += 1
+        if job.stale:
+            return  # reset since: the ids may name chunks of the new generation
+        keys = [job.chunk_keys[c] for c in chunk_ids if c in job.chunk_keys]
+        dropped = len(self.manager.drop(keys, MissReason.CORRUPT))
+        self._counters["corrupted_chunks"] += dropped
+        if dropped:
+            self._removed[MissReason.CORRUPT] = self._removed.get(MissReason.CORRUPT, 0) + dropped
 
     def fail_jobs(self, job_ids: Iterable[int]) -> ReportOutcome:
         """Fail jobs outright (e.g. a worker died before reporting them): pins released, data never ready."""
@@ -705,7 +760,10 @@ class OffloadScheduler:
         req = self._request(req_id)
         self._release_pins(req)
         req.finished = True
-        self.manager.on_request_finished(req.stored_keys, req.reused_keys, request_id=req_id)
+        # vLLM's order: every key the request loaded, stored or reused, by end-token position then group id;
+        # the policy refreshes them so that the request's first chunk (a shared prefix) ends most recent.
+        keys = sorted(req.accessed, key=req.accessed.__getitem__)
+        self.manager.on_request_finished(keys, req.reused_keys, request_id=req_id)
         if not req.jobs:
             self._drop(req)
 
@@ -766,6 +824,8 @@ class OffloadScheduler:
             store_seconds=self._seconds["store"],
             cache_usage=self.manager.stats().usage,
             jobs_in_flight=len(self._jobs),
+            corrupt_loads=c["corrupt_loads"],
+            corrupted_chunks=c["corrupted_chunks"],
             lookup_miss_reasons=dict(self._lookup_misses),
             chunk_miss_reasons=dict(self._chunk_misses),
             chunks_removed=dict(self._removed),

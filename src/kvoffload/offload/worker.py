@@ -12,7 +12,7 @@ import time
 
 from .._generated import JobResult, StepPlan, TransferJob, WorkerReport
 from ..errors import KVOffloadError
-from ..packed import Int32Array, Int64Array
+from ..packed import Int32Array, Int64Array, pack_int64
 from .copy_engine import CopyEngine
 
 __all__ = ["OffloadWorker"]
@@ -22,7 +22,9 @@ class OffloadWorker:
     """Drives one rank's :class:`CopyEngine` from StepPlans and turns its results into WorkerReports.
 
     A job the engine rejects (bad ids in a plan, a closed engine) is reported as failed instead of raising,
-    so one bad job never takes the worker down.
+    so one bad job never takes the worker down. A load whose host chunks fail verification (integrity) is
+    reported failed with the chunk ids in ``corrupt_chunk_ids``; ``corrupt_loads`` and ``corrupted_chunks``
+    count them.
     """
 
     def __init__(self, engine: CopyEngine, *, rank: int) -> None:
@@ -31,6 +33,10 @@ class OffloadWorker:
         self._deferred_stores: list[TransferJob] = []
         self._in_flight: set[int] = set()
         self._failed: list[JobResult] = []
+        self.corrupt_loads = 0
+        """Loads failed because a host chunk did not verify (key tag or checksum), since construction."""
+        self.corrupted_chunks = 0
+        """Chunk ids reported corrupt by those loads (counted per load)."""
 
     @property
     def in_flight(self) -> frozenset[int]:
@@ -62,9 +68,15 @@ class OffloadWorker:
                 is_store=r.is_store,
                 num_bytes=r.num_bytes,
                 seconds=r.seconds,
+                error=r.error or "",
+                corrupt_chunk_ids=pack_int64(r.corrupt_chunk_ids),
             )
             for r in self.engine.poll()
         ]
+        for r in results:
+            if r.corrupt_chunk_ids:
+                self.corrupt_loads += 1
+                self.corrupted_chunks += len(r.corrupt_chunk_ids) // 8
         results.extend(self._failed)
         self._failed = []
         for r in results:
@@ -96,8 +108,9 @@ class OffloadWorker:
                 block_indices=Int32Array.from_buffer(job.block_indices).tolist(),
                 block_ids=Int64Array.from_buffer(job.block_ids).to_tensor(),
                 chunk_ids=Int64Array.from_buffer(job.chunk_ids).to_tensor(),
+                chunk_tags=Int64Array.from_buffer(job.chunk_tags).to_tensor() if job.chunk_tags else None,
             )
-        except KVOffloadError:
+        except KVOffloadError as exc:
             self._failed.append(
                 JobResult(
                     job_id=job.job_id,
@@ -105,6 +118,7 @@ class OffloadWorker:
                     is_store=is_store,
                     num_bytes=0,
                     seconds=time.perf_counter() - started,
+                    error=f"{type(exc).__name__}: {exc}",
                 )
             )
             return

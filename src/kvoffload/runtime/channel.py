@@ -3,74 +3,117 @@
 Each message goes as a frame count followed by its frames (the wire envelope first, then any attachment such
 as a tensor's bytes). Every receive is bounded by a timeout and every malformed input becomes a
 :class:`~kvoffload.errors.WireError`; a peer that hangs up raises :class:`~kvoffload.errors.WorkerError`.
+Memory is bounded per message before anything is read whole: frame 0 by the wire's body limit, the attachments
+by a count and a total byte budget (``recv_bytes(maxlength)`` refuses a longer frame from its length prefix).
+Sends are serialized by a lock, so a heartbeat thread and the main thread can share one channel.
 """
 
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 from .. import wire
 from .._generated import Message
-from ..errors import WireError, WorkerError
+from ..errors import ConfigError, DeadlineError, WireError, WorkerError
 
-__all__ = ["Channel"]
+__all__ = ["DEFAULT_MAX_ATTACHMENTS", "DEFAULT_MAX_ATTACHMENT_BYTES", "Channel"]
 
 _COUNT = struct.Struct("<I")
-MAX_FRAMES = 64
-"""Most frames one message may have (the envelope plus attachments)."""
+DEFAULT_MAX_ATTACHMENTS = 8
+"""Most attachment frames one received message may carry."""
+DEFAULT_MAX_ATTACHMENT_BYTES = 64 * 1024 * 1024
+"""Most attachment bytes (all frames together) one received message may carry."""
 
 
 class Channel:
-    """Sends and receives wire messages over one end of a ``multiprocessing.Pipe``."""
+    """Sends and receives wire messages over one end of a ``multiprocessing.Pipe``.
 
-    def __init__(self, conn: Connection, *, max_frame_bytes: int = 1 << 30) -> None:
+    ``max_body_bytes`` bounds frame 0 (the header plus the message body), ``max_attachments`` and
+    ``max_attachment_bytes`` the attachment frames of one received message.
+    """
+
+    def __init__(
+        self,
+        conn: Connection,
+        *,
+        max_body_bytes: int = wire.DEFAULT_MAX_BODY_BYTES,
+        max_attachments: int = DEFAULT_MAX_ATTACHMENTS,
+        max_attachment_bytes: int = DEFAULT_MAX_ATTACHMENT_BYTES,
+    ) -> None:
+        for name, value in (
+            ("max_body_bytes", max_body_bytes),
+            ("max_attachments", max_attachments),
+            ("max_attachment_bytes", max_attachment_bytes),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be an int >= 0")
         self.conn = conn
-        self.max_frame_bytes = max_frame_bytes
+        self.max_body_bytes = max_body_bytes
+        self.max_attachments = max_attachments
+        self.max_attachment_bytes = max_attachment_bytes
+        self._send_lock = threading.Lock()
 
     def send(self, message: Message, attachments: Sequence[bytes | bytearray | memoryview] = ()) -> None:
         """Encode and send one message; raises WorkerError if the peer is gone."""
         frames = wire.encode(message, attachments)
         try:
-            self.conn.send_bytes(_COUNT.pack(len(frames)))
-            for frame in frames:
-                self.conn.send_bytes(frame)
+            with self._send_lock:
+                self.conn.send_bytes(_COUNT.pack(len(frames)))
+                for frame in frames:
+                    self.conn.send_bytes(frame)
         except (BrokenPipeError, ConnectionError, EOFError, OSError) as exc:
             raise WorkerError(f"peer hung up while sending {type(message).__name__}: {exc}") from None
 
     def send_raw(self, frames: Sequence[bytes]) -> None:
         """Send pre-built frames as one message (tests use this to inject corrupted frames)."""
-        self.conn.send_bytes(_COUNT.pack(len(frames)))
-        for frame in frames:
-            self.conn.send_bytes(frame)
+        with self._send_lock:
+            self.conn.send_bytes(_COUNT.pack(len(frames)))
+            for frame in frames:
+                self.conn.send_bytes(frame)
 
     def recv(self, timeout: float | None) -> wire.Decoded:
         """Receive and decode one message within ``timeout`` seconds (None: wait forever).
 
-        Raises TimeoutError when nothing arrives in time, WorkerError when the peer hung up, and WireError
-        for malformed frames (the connection stays usable only if the peer keeps framing intact).
+        Raises DeadlineError (a TimeoutError) when nothing arrives in time, WorkerError when the peer hung up,
+        and WireError for malformed or oversized frames (naming the limit); after an oversized frame the
+        connection is unusable, as its stream can no longer be framed.
         """
-        head = self._recv_frame(timeout, what="frame count")
+        head = self._recv_frame(timeout, 64, what="frame count")
         if len(head) != _COUNT.size:
             raise WireError(f"frame count header has {len(head)} bytes, expected {_COUNT.size}")
         (count,) = _COUNT.unpack(head)
-        if not 1 <= count <= MAX_FRAMES:
-            raise WireError(f"message announces {count} frames; expected 1..{MAX_FRAMES}")
-        frames = [self._recv_frame(timeout, what=f"frame {i + 1}/{count}") for i in range(count)]
-        return wire.decode(frames)
+        if not 1 <= count <= 1 + self.max_attachments:
+            raise WireError(
+                f"message announces {count} frames; expected 1..{1 + self.max_attachments} "
+                f"(the envelope plus at most max_attachments={self.max_attachments})"
+            )
+        first_limit = wire.HEADER_SIZE + self.max_body_bytes
+        frames = [
+            self._recv_frame(timeout, first_limit, what=f"frame 1/{count} (limit max_body_bytes={self.max_body_bytes})")
+        ]
+        budget = self.max_attachment_bytes
+        for i in range(1, count):
+            what = f"frame {i + 1}/{count} (attachments over max_attachment_bytes={self.max_attachment_bytes})"
+            frame = self._recv_frame(timeout, budget, what=what)
+            budget -= len(frame)
+            frames.append(frame)
+        return wire.decode(frames, max_body_bytes=self.max_body_bytes)
 
-    def _recv_frame(self, timeout: float | None, *, what: str) -> bytes:
+    def _recv_frame(self, timeout: float | None, limit: int, *, what: str) -> bytes:
         try:
             ready = timeout is None or self.conn.poll(timeout)
             if ready:
-                return self.conn.recv_bytes(self.max_frame_bytes)
+                return self.conn.recv_bytes(limit)
         except (EOFError, ConnectionError, BrokenPipeError) as exc:
             raise WorkerError(f"peer hung up ({what}): {exc or 'EOF'}") from None
         except OSError as exc:
-            # recv_bytes raises OSError for a frame above max_frame_bytes and closes the connection.
-            raise WireError(f"{what} is larger than {self.max_frame_bytes} bytes or unreadable: {exc}") from None
-        raise TimeoutError(f"no {what} within {timeout}s")
+            # recv_bytes refuses a frame longer than `limit` from its length prefix, before reading it, and
+            # leaves the connection unreadable.
+            raise WireError(f"{what}: frame is larger than {limit} bytes or unreadable: {exc}") from None
+        raise DeadlineError(f"no {what} within {timeout}s")
 
     def close(self) -> None:
         """Close the connection."""

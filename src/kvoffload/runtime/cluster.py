@@ -1,9 +1,12 @@
 """The scheduler side of the runtime: spawn N worker processes, handshake, fan StepPlans out, gather reports.
 
 ``WorkerCluster`` owns the worker processes (``multiprocessing`` spawn) and one pipe to each. Every receive
-has a timeout, and a worker that dies, hangs past the timeout, or sends a malformed message is marked dead:
-its process is terminated and :meth:`WorkerCluster.step` reports it in ``newly_dead`` so the scheduler can
-fail the jobs it will never report (requests then fall back to recompute) and carry on with the others.
+has a timeout, and a worker that dies, fails (its ``WorkerFailure`` names the cause), stops sending heartbeats
+for ``worker_timeout_s`` (stopped or frozen), hangs past ``step_timeout_s``, or sends a malformed message is
+marked dead: its process is ended and :meth:`WorkerCluster.step` reports it in ``newly_dead`` (with the reason
+in ``errors``) so the scheduler can fail the jobs it will never report (requests then fall back to recompute)
+and carry on with the others. Before spawning, :meth:`WorkerCluster.start` checks every rank's config can run
+and that all host pools together fit in available memory, and removes shared-pool files whose owner died.
 ``close`` shuts workers down cleanly (Shutdown, final drain report, join), kills stragglers, and leaves no
 orphan processes or shared-memory files.
 """
@@ -13,20 +16,40 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import signal
+import threading
+import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 
 import msgspec
 
 from .. import wire
-from .._generated import EngineSnapshot, Hello, PeerRole, Shutdown, StepPlan, WorkerReport, codecs
+from .._generated import (
+    EngineSnapshot,
+    Heartbeat,
+    Hello,
+    PeerRole,
+    Shutdown,
+    StepPlan,
+    WorkerFailure,
+    WorkerReport,
+    codecs,
+)
 from ..errors import ConfigError, WireError, WorkerError
-from ..offload.host_pool import shared_pool_path
+from ..offload.host_pool import (
+    check_pools_fit,
+    owned_pool_id,
+    plan_host_pool_from_config,
+    shared_pool_path,
+    sweep_stale_pools,
+)
+from ..runnable import validate_runnable
 from .channel import Channel
-from .worker_process import WorkerSpec, run_worker
+from .worker_process import WorkerSpec, rank_config, run_worker
 
 __all__ = ["ClusterStep", "WorkerCluster"]
 
@@ -38,10 +61,41 @@ class ClusterStep:
     reports: tuple[WorkerReport, ...]
     attachments: dict[int, tuple[memoryview, ...]]
     newly_dead: tuple[int, ...]
+    errors: dict[int, str] = field(default_factory=dict)
+    """Why each newly dead rank was given up (its own failure, a stall, an exit status, ...)."""
+
+
+DEFAULT_WORKER_TIMEOUT_S = 10.0
+"""A worker that sends no heartbeat (nor anything else) for this long is given up as stopped or frozen."""
+
+
+def _start_ignoring_sigint(proc: BaseProcess) -> None:
+    """Start ``proc`` with SIGINT ignored from its first instruction, without losing a Ctrl-C meant for us.
+
+    An ignored disposition survives exec (a handler or the signal mask do not), so a Ctrl-C while the child
+    still imports cannot kill it with a traceback; the worker keeps ignoring SIGINT and leaves stopping to the
+    scheduler. Meanwhile SIGINT is blocked here: one arriving stays pending and is delivered once restored.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        proc.start()  # signal dispositions can only be changed from the main thread
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            proc.start()
+        finally:
+            signal.signal(signal.SIGINT, handler)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 class WorkerCluster:
-    """N worker processes serving one scheduler over the wire (see module docstring)."""
+    """N worker processes serving one scheduler over the wire (see module docstring).
+
+    ``worker_timeout_s`` is the liveness deadline (workers send a heartbeat every fifth of it; a stopped process
+    sends none); ``step_timeout_s`` bounds one step of a live worker; ``start_timeout_s`` its startup.
+    """
 
     def __init__(
         self,
@@ -52,10 +106,19 @@ class WorkerCluster:
         simulate: bool = False,
         step_timeout_s: float = 120.0,
         start_timeout_s: float = 120.0,
+        worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S,
         memcpy_probe_bytes: int = 0,
         torch_threads: int | None = None,
+        checksums: bool = True,
         metrics_dir: str | None = None,
     ) -> None:
+        for name, value in (
+            ("step_timeout_s", step_timeout_s),
+            ("start_timeout_s", start_timeout_s),
+            ("worker_timeout_s", worker_timeout_s),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e9:
+                raise ConfigError(f"{name}={value!r} must be a number of seconds > 0")
         world = snapshot.engine_config.parallel_config.world_size
         self.world_size = world if workers is None else workers
         if self.world_size != world:
@@ -63,12 +126,15 @@ class WorkerCluster:
         transfer = snapshot.engine_config.kv_transfer_config
         self.engine_id = (transfer.engine_id if transfer else None) or "kvoffload"
         self.snapshot = snapshot
-        self.step_timeout_s = step_timeout_s
-        self.start_timeout_s = start_timeout_s
+        self.step_timeout_s = float(step_timeout_s)
+        self.start_timeout_s = float(start_timeout_s)
+        self.worker_timeout_s = float(worker_timeout_s)
+        self.shared_pool = shared_pool
         # Workers record transfer metrics in prometheus_client's multiprocess mode under this directory.
         self.metrics_dir = metrics_dir
         threads = torch_threads or max(1, (os.cpu_count() or 1) // self.world_size)
-        pool_id = f"{self.engine_id}-{uuid.uuid4().hex[:12]}" if shared_pool else None
+        # The name carries this process's pid: if it is SIGKILLed, a later start sweeps the file away.
+        pool_id = owned_pool_id(f"{self.engine_id}-{uuid.uuid4().hex[:12]}") if shared_pool else None
         self._pool_id = pool_id
         snapshot_json = codecs.encode_engine_snapshot_json(snapshot).decode()
         self._specs = [
@@ -82,38 +148,55 @@ class WorkerCluster:
                 load_timeout_s=step_timeout_s,
                 memcpy_probe_bytes=memcpy_probe_bytes,
                 torch_threads=threads,
+                heartbeat_interval_s=min(2.0, max(0.01, self.worker_timeout_s / 5)),
+                checksums=checksums,
                 metrics_dir=metrics_dir,
             )
             for rank in range(self.world_size)
         ]
         self._procs: dict[int, BaseProcess] = {}
         self._channels: dict[int, Channel] = {}
+        self._last_seen: dict[int, float] = {}
         self.dead: set[int] = set()
+        self.errors: dict[int, str] = {}
+        """Why each dead rank was given up."""
         self.handshakes: dict[int, wire.HandshakeResult] = {}
 
     # ------------------------------------------------------------------------------------------- startup
 
     def start(self) -> None:
-        """Spawn every worker and complete the Hello handshake with each (WorkerError if one fails)."""
-        ctx = mp.get_context("spawn")
-        with contextlib.ExitStack() as env:
-            if self.metrics_dir is not None:
-                from ..metrics import multiprocess_env
+        """Check, spawn every worker and complete the Hello handshake with each (WorkerError if one fails).
 
-                env.enter_context(multiprocess_env(self.metrics_dir))  # inherited by the spawned workers
-            for spec in self._specs:
-                parent, child = ctx.Pipe(duplex=True)
-                proc = ctx.Process(
-                    target=run_worker,
-                    args=(child, msgspec.json.encode(spec)),
-                    name=f"kvoffload-worker-{spec.rank}",
-                    daemon=True,
-                )
-                proc.start()
-                child.close()
-                self._procs[spec.rank] = proc
-                self._channels[spec.rank] = Channel(parent)
+        Before any process starts: every rank's config must be runnable (ConfigError naming the field), the
+        host pools of all ranks together must fit in available memory (HostMemoryError with the numbers), and
+        shared-pool files left by dead owners are removed.
+        """
+        plans = []
+        for rank in range(self.world_size):
+            ranked, config = rank_config(self.snapshot, rank)
+            validate_runnable(ranked, config)
+            plans.append(plan_host_pool_from_config(config))
+        check_pools_fit(plans, shared=self.shared_pool)
+        sweep_stale_pools()
+        ctx = mp.get_context("spawn")
         try:
+            with contextlib.ExitStack() as env:
+                if self.metrics_dir is not None:
+                    from ..metrics import multiprocess_env
+
+                    env.enter_context(multiprocess_env(self.metrics_dir))  # inherited by the spawned workers
+                for spec in self._specs:
+                    parent, child = ctx.Pipe(duplex=True)
+                    proc = ctx.Process(
+                        target=run_worker,
+                        args=(child, msgspec.json.encode(spec)),
+                        name=f"kvoffload-worker-{spec.rank}",
+                        daemon=True,
+                    )
+                    _start_ignoring_sigint(proc)
+                    child.close()
+                    self._procs[spec.rank] = proc
+                    self._channels[spec.rank] = Channel(parent)
             local = wire.make_hello(PeerRole.SCHEDULER, 0, self.world_size, self.engine_id)
             for channel in self._channels.values():
                 channel.send(local)
@@ -122,6 +205,7 @@ class WorkerCluster:
                 if not isinstance(reply, Hello):
                     raise WireError(f"worker {rank} answered the handshake with {type(reply).__name__}")
                 self.handshakes[rank] = wire.check_hello(local, reply)
+                self._last_seen[rank] = time.monotonic()  # heartbeats start now
         except BaseException:
             self._unlink_pool()
             self.close(timeout_s=5.0)
@@ -143,18 +227,55 @@ class WorkerCluster:
                 shared_pool_path(self._pool_id).unlink()
 
     def _recv(self, rank: int, timeout: float) -> wire.Decoded:
-        """Receive from one worker, turning a death while waiting into WorkerError with its exit code."""
+        """Receive one message from a worker within ``timeout``, skipping heartbeats.
+
+        Raises WorkerError naming the rank when the worker reports a failure (its exception type and
+        message), exits, stays silent past the heartbeat deadline (stopped or frozen) or past ``timeout``.
+        """
         proc = self._procs[rank]
         channel = self._channels[rank]
-        ready = wait([channel.conn, proc.sentinel], timeout)
-        if channel.conn in ready:
-            return channel.recv(timeout)
-        if proc.sentinel in ready:
-            proc.join(1.0)
-            raise WorkerError(f"worker {rank} exited with status {proc.exitcode}")
-        raise WorkerError(f"worker {rank} did not answer within {timeout}s")
+        deadline = time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            seen = self._last_seen.get(rank)
+            alive_until = float("inf") if seen is None else seen + self.worker_timeout_s
+            # Messages already waiting count first: heartbeats queue up while the scheduler is busy elsewhere.
+            ready = wait([channel.conn, proc.sentinel], max(0.0, min(deadline, alive_until) - now))
+            if not ready:
+                if time.monotonic() >= alive_until:
+                    raise WorkerError(
+                        f"worker {rank} sent no heartbeat for {self.worker_timeout_s:g}s (worker_timeout_s): "
+                        "stopped or frozen"
+                    )
+                if time.monotonic() >= deadline:
+                    raise WorkerError(f"worker {rank} did not answer within {timeout:g}s")
+                continue
+            if channel.conn in ready:
+                try:
+                    decoded = channel.recv(max(self.worker_timeout_s, 1.0))
+                except WorkerError:
+                    proc.join(1.0)
+                    raise WorkerError(f"worker {rank} hung up without a reason (exit status {proc.exitcode})") from None
+                if seen is not None:
+                    self._last_seen[rank] = time.monotonic()
+                message = decoded.message
+                if isinstance(message, Heartbeat):
+                    continue
+                if isinstance(message, WorkerFailure):
+                    raise WorkerError(
+                        f"worker {rank} failed at step {message.step}: {message.error_type}: {message.message}"
+                    )
+                return decoded
+            if proc.sentinel in ready:
+                proc.join(1.0)
+                raise WorkerError(f"worker {rank} exited with status {proc.exitcode}")
 
     # -------------------------------------------------------------------------------------------- steps
+
+    @property
+    def pids(self) -> dict[int, int]:
+        """Process id of each spawned worker, by rank (for operators and fault drills)."""
+        return {rank: proc.pid for rank, proc in self._procs.items() if proc.pid is not None}
 
     @property
     def live_ranks(self) -> list[int]:
@@ -167,29 +288,40 @@ class WorkerCluster:
         for rank in self.live_ranks:
             try:
                 self._channels[rank].send(plan, attachments)
-            except WorkerError:
-                self._mark_dead(rank, newly_dead)
+            except WorkerError as exc:
+                self._mark_dead(rank, newly_dead, f"worker {rank}: {exc}")
         reports: list[WorkerReport] = []
         extras: dict[int, tuple[memoryview, ...]] = {}
         for rank in self.live_ranks:
             try:
                 decoded = self._recv(rank, self.step_timeout_s)
-            except (WorkerError, WireError, TimeoutError):
-                self._mark_dead(rank, newly_dead)
+            except (WorkerError, WireError, TimeoutError) as exc:
+                reason = str(exc) if isinstance(exc, WorkerError) else f"worker {rank}: {type(exc).__name__}: {exc}"
+                self._mark_dead(rank, newly_dead, reason)
                 continue
-            if not isinstance(decoded.message, WorkerReport) or decoded.message.rank != rank:
-                self._mark_dead(rank, newly_dead)
+            message = decoded.message
+            if not isinstance(message, WorkerReport) or message.rank != rank:
+                got = f"rank {message.rank}" if isinstance(message, WorkerReport) else type(message).__name__
+                self._mark_dead(rank, newly_dead, f"worker {rank} answered the step with {got}")
                 continue
-            reports.append(decoded.message)
+            reports.append(message)
             extras[rank] = decoded.attachments
-        return ClusterStep(tuple(reports), extras, tuple(newly_dead))
+        return ClusterStep(tuple(reports), extras, tuple(newly_dead), {r: self.errors[r] for r in newly_dead})
 
-    def _mark_dead(self, rank: int, newly_dead: list[int]) -> None:
+    def _mark_dead(self, rank: int, newly_dead: list[int], reason: str) -> None:
         self.dead.add(rank)
+        self.errors[rank] = reason
         newly_dead.append(rank)
+        self._end_process(rank)
+
+    def _end_process(self, rank: int) -> None:
+        """SIGTERM, then SIGKILL (a stopped process only reacts to SIGKILL)."""
         proc = self._procs[rank]
         if proc.is_alive():
             proc.terminate()
+            proc.join(1.0)
+        if proc.is_alive():
+            proc.kill()
         proc.join(5.0)
         self._forget_metrics(proc)
 
@@ -214,12 +346,16 @@ class WorkerCluster:
         for rank in self.live_ranks:
             try:
                 self._channels[rank].send(Shutdown(reason="scheduler closing"))
+            except WorkerError as exc:
+                self._mark_dead(rank, newly_dead, str(exc))
+        for rank in self.live_ranks:
+            try:
                 decoded = self._recv(rank, timeout_s)
                 if isinstance(decoded.message, WorkerReport):
                     reports.append(decoded.message)
                     extras[rank] = decoded.attachments
-            except (WorkerError, WireError, TimeoutError):
-                newly_dead.append(rank)
+            except (WorkerError, WireError, TimeoutError) as exc:
+                self._mark_dead(rank, newly_dead, str(exc))
         for rank, proc in self._procs.items():
             proc.join(timeout_s if rank not in self.dead else 1.0)
             if proc.is_alive():
@@ -230,7 +366,7 @@ class WorkerCluster:
         self._procs.clear()
         self._channels.clear()
         self._unlink_pool()
-        return ClusterStep(tuple(reports), extras, tuple(newly_dead))
+        return ClusterStep(tuple(reports), extras, tuple(newly_dead), {r: self.errors[r] for r in newly_dead})
 
     def __enter__(self) -> WorkerCluster:
         self.start()

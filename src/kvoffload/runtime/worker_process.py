@@ -6,16 +6,24 @@ translator with ``parallel_config.rank`` set), its KV memory (one flat allocatio
 engine's forward pass for the demo: each StepPlan carries two attachments, the blocks to fill with
 deterministic KV and the loaded blocks to verify byte for byte.
 
-A worker never crashes on bad input: a malformed message from the scheduler ends the session with exit
-status 3 (the scheduler then fails the worker's jobs and carries on); a vanished scheduler ends it with 0.
+A worker never crashes on bad input: a malformed message from the scheduler, or any other error, ends the
+session with exit status 3 after a last ``WorkerFailure`` message naming the exception, so the scheduler
+reports the real cause (and fails the worker's jobs); a vanished scheduler ends it with 0. Once the handshake is
+done a thread sends a ``Heartbeat`` every ``heartbeat_interval_s``: a stopped or frozen process sends none,
+which is how the scheduler tells a stall from a slow step. Workers ignore SIGINT: on Ctrl-C the scheduler
+shuts them down (a terminal sends SIGINT to the whole process group).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import struct
 import sys
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
@@ -26,15 +34,18 @@ import torch
 from .. import wire
 from .._generated import (
     EngineSnapshot,
+    Heartbeat,
     Hello,
+    Message,
     OffloadingConfig,
     PeerRole,
     Shutdown,
     StepPlan,
+    WorkerFailure,
     WorkerReport,
     codecs,
 )
-from ..errors import ConfigError, KVOffloadError, WireError, WorkerError
+from ..errors import ConfigError, WireError, WorkerError
 from ..offload.copy_engine import CopyEngine, TransferLayout, transfer_layout_from_config
 from ..offload.host_pool import HostPool, plan_host_pool_from_config
 from ..offload.worker import OffloadWorker
@@ -64,6 +75,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     load_timeout_s: float = 120.0
     memcpy_probe_bytes: int = 0
     torch_threads: int = 1
+    heartbeat_interval_s: float = 1.0
+    checksums: bool = True
+    """Content checksums of host chunks (integrity); key tags are verified either way."""
     metrics_dir: str | None = None
 
 
@@ -148,7 +162,7 @@ def _open_session(spec: WorkerSpec) -> _Session:
     kv = torch.zeros(layout.engine_bytes, dtype=torch.uint8)
     pool = HostPool(plan_host_pool_from_config(config), engine_id=spec.shared_pool_id)
     try:
-        engine = CopyEngine(kv, layout, pool, cpu_threads=spec.torch_threads)
+        engine = CopyEngine(kv, layout, pool, cpu_threads=spec.torch_threads, checksums=spec.checksums)
     except BaseException:
         pool.close()
         raise
@@ -178,15 +192,74 @@ def _worker_metrics(spec: WorkerSpec) -> WorkerMetrics | None:
     return WorkerMetrics(CollectorRegistry(), max_samples=0)
 
 
+class _Heartbeat:
+    """Sends a Heartbeat every ``interval`` seconds from a daemon thread until stopped or the peer is gone."""
+
+    def __init__(self, channel: Channel, rank: int, interval: float) -> None:
+        self._channel = channel
+        self._rank = rank
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kvoffload-heartbeat-{rank}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        seq = 0
+        while not self._stop.wait(self._interval):
+            try:
+                self._channel.send(Heartbeat(rank=self._rank, seq=seq))
+            except (WorkerError, OSError, ValueError):
+                return  # the scheduler is gone (or the channel closed under us): the main thread handles it
+            seq += 1
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+class _SchedulerGone(Exception):
+    """The scheduler hung up: a normal end for a worker (kept apart from WorkerErrors of the worker's own)."""
+
+
+def _recv(channel: Channel, timeout: float | None) -> wire.Decoded:
+    try:
+        return channel.recv(timeout)
+    except WorkerError as exc:
+        raise _SchedulerGone(str(exc)) from exc
+
+
+def _send(channel: Channel, message: Message, extras: Sequence[bytes] = ()) -> None:
+    try:
+        channel.send(message, extras)
+    except WorkerError as exc:
+        raise _SchedulerGone(str(exc)) from exc
+
+
+def _report_failure(channel: Channel, rank: int, step: int, exc: BaseException) -> None:
+    """Tell the scheduler why this worker stops (best effort: it may be gone already)."""
+    message = " ".join(str(exc).split())[:4000]
+    with contextlib.suppress(WorkerError, OSError, ValueError):
+        channel.send(WorkerFailure(rank=rank, error_type=type(exc).__name__, message=message, step=step))
+
+
 def run_worker(conn: Connection, spec_json: bytes) -> None:
     """Process entry: serve one scheduler until Shutdown or until it goes away."""
+    # Ctrl-C reaches the whole process group; the scheduler decides how workers stop (Shutdown, then exit).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = msgspec.json.decode(spec_json, type=WorkerSpec)
     torch.set_num_threads(max(1, spec.torch_threads))
     channel = Channel(conn)
+    heartbeat = _Heartbeat(channel, spec.rank, spec.heartbeat_interval_s)
     session: _Session | None = None
     status = 0
+    step = 0
     try:
-        first = channel.recv(spec.handshake_timeout_s).message
+        first = _recv(channel, spec.handshake_timeout_s).message
+        if isinstance(first, Shutdown):
+            raise _SchedulerGone("shut down before the handshake")  # the scheduler gave up while starting
         if not isinstance(first, Hello):
             raise WireError(f"expected Hello first, got {type(first).__name__}")
         snapshot = codecs.decode_engine_snapshot_json(spec.snapshot_json)
@@ -196,28 +269,33 @@ def run_worker(conn: Connection, spec_json: bytes) -> None:
         try:
             wire.check_hello(local, first)
         except WireError:
-            channel.send(local)  # let the scheduler name both versions too
+            _send(channel, local)  # let the scheduler name both versions too
             raise
         # Reply only once ready: after the handshake every worker has mapped the shared pool.
         session = _open_session(spec)
-        channel.send(local)
+        _send(channel, local)
+        heartbeat.start()
         while True:
-            decoded = channel.recv(None)
+            decoded = _recv(channel, None)
             message = decoded.message
             if isinstance(message, Shutdown):
                 report, extras = session.finish()
-                channel.send(report, extras)
+                _send(channel, report, extras)
                 break
             if not isinstance(message, StepPlan):
                 raise WireError(f"unexpected {type(message).__name__} from the scheduler")
+            step = message.step
             report, extras = session.step(message, decoded.attachments)
-            channel.send(report, extras)
-    except WorkerError:
+            _send(channel, report, extras)
+    except _SchedulerGone:
         status = 0  # the scheduler went away: nothing left to serve
-    except (WireError, KVOffloadError, TimeoutError) as exc:
+    except Exception as exc:  # any failure: one line on stderr, the cause to the scheduler, exit 3
         print(f"kvoffload worker {spec.rank}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        heartbeat.stop()
+        _report_failure(channel, spec.rank, step, exc)
         status = EXIT_BAD_MESSAGE
     finally:
+        heartbeat.stop()
         if session is not None:
             session.close()
         channel.close()

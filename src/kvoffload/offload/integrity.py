@@ -1,0 +1,159 @@
+"""Integrity of host chunks: a key tag and a content checksum per stored sub-block, verified on every load.
+
+A corrupted or mislabelled host chunk must never reach the engine as if it were good KV. Every sub-block a
+store writes (one engine block of one chunk, in this rank's slot) gets a metadata entry: the **tag** of the
+offload key the chunk holds (:func:`key_tag`, a 64-bit xxh3 of the full key, computed by the scheduler and
+carried in ``TransferJob.chunk_tags``), the **checksum** (xxh3_64) of the bytes the store wrote, and a
+**state** (``INVALID``, ``TAGGED`` without a checksum, ``SEALED`` with one). A store invalidates its entries
+when it is submitted and seals them only once its copy has completed; a load verifies the tag, and the
+checksum unless checksums are turned off, and fails (naming the chunks) on any mismatch or missing entry.
+
+Entries are kept per (chunk, slot, sub-block): with ``blocks_per_chunk > 1`` a job may write or read only
+some sub-blocks of a chunk (partial first/last chunks), and in a shared pool several ranks own slots of one
+row. The table lives beside the rows: a private pool holds it in its own memory, a shared pool at the end of
+the shared file, so that every rank of a replicated layout verifies what rank 0 wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+__all__ = [
+    "INVALID",
+    "SEALED",
+    "TAGGED",
+    "BlockSlots",
+    "IntegrityTable",
+    "key_tag",
+    "key_tags",
+    "table_bytes",
+    "table_entries",
+]
+
+INVALID = 0
+"""No usable entry: never written, or a store into it is in flight."""
+TAGGED = 1
+"""The key tag is valid; the store ran with checksums turned off."""
+SEALED = 2
+"""The key tag and the content checksum are valid."""
+
+_FIELDS = 3  # tag, checksum, state
+_TAG, _SUM, _STATE = range(_FIELDS)
+_hash = xxhash.xxh3_64_intdigest
+
+
+def key_tag(key: bytes) -> int:
+    """The 64-bit tag of an offload key (signed, to travel in an ``array<int64>``); never 0 (= untagged)."""
+    value = _hash(key)
+    if value >= 1 << 63:
+        value -= 1 << 64
+    return value or 1
+
+
+def key_tags(keys: Sequence[bytes]) -> list[int]:
+    """:func:`key_tag` of each key."""
+    return [key_tag(key) for key in keys]
+
+
+def table_entries(num_chunks: int, slots: int, blocks_per_chunk: int) -> int:
+    """Number of metadata entries of a pool: one per (chunk, slot, sub-block)."""
+    return num_chunks * slots * blocks_per_chunk
+
+
+def table_bytes(num_chunks: int, slots: int, blocks_per_chunk: int) -> int:
+    """Bytes of the metadata table of a pool (three int64 per entry)."""
+    return table_entries(num_chunks, slots, blocks_per_chunk) * _FIELDS * 8
+
+
+@dataclass(frozen=True)
+class BlockSlots:
+    """The sub-blocks one job touches: table entry, chunk id, host byte range and expected key tag of each."""
+
+    entries: np.ndarray  # int64 index into the table
+    chunk_ids: np.ndarray  # int64
+    host_offsets: list[int]  # into the flat host rows
+    lengths: list[int]
+    tags: np.ndarray  # int64
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+
+class IntegrityTable:
+    """Per-pool metadata: ``(tag, checksum, state)`` for every (chunk, slot, sub-block), as int64.
+
+    ``storage`` is a 1-D int64 tensor of :func:`table_entries` x 3 values (private memory or a view of the
+    shared pool file); ``slot`` is the slot this rank reads and writes (its rank in a shared non-replicated
+    pool, else 0). Writers seal an entry by writing tag and checksum before the state.
+    """
+
+    def __init__(self, storage: torch.Tensor, *, num_chunks: int, slots: int, slot: int, blocks_per_chunk: int):
+        self._storage = storage  # keeps the memory alive
+        self._meta = storage.numpy().reshape(-1, _FIELDS)
+        self.num_chunks = num_chunks
+        self.slots = slots
+        self.slot = slot
+        self.blocks_per_chunk = blocks_per_chunk
+
+    @property
+    def storage(self) -> torch.Tensor:
+        """The raw table (for tests and tools)."""
+        return self._storage
+
+    def entry_index(self, chunk_ids: np.ndarray, sub_blocks: np.ndarray) -> np.ndarray:
+        """Table entries of this rank's ``sub_blocks`` of ``chunk_ids``."""
+        entries: np.ndarray = (chunk_ids * self.slots + self.slot) * self.blocks_per_chunk + sub_blocks
+        return entries
+
+    def states(self, slots: BlockSlots) -> np.ndarray:
+        """Current state of each entry of ``slots``."""
+        states: np.ndarray = self._meta[slots.entries, _STATE].copy()
+        return states
+
+    def invalidate(self, slots: BlockSlots) -> None:
+        """Mark the entries unusable: a store into them has started."""
+        self._meta[slots.entries, _STATE] = INVALID
+
+    def seal(self, slots: BlockSlots, host: memoryview, *, checksums: bool, sums: list[int] | None = None) -> None:
+        """Record the tags (and checksums of the host bytes) of a completed store, then mark them valid.
+
+        ``sums`` are the xxh3_64 digests of the slots' bytes when the caller already computed them.
+        """
+        meta = self._meta
+        idx = slots.entries
+        meta[idx, _TAG] = slots.tags
+        if checksums:
+            meta[idx, _SUM] = _checksums(host, slots) if sums is None else _as_int64(sums)
+        meta[idx, _STATE] = SEALED if checksums else TAGGED
+
+    def verify(
+        self, slots: BlockSlots, host: memoryview, *, checksums: bool, sums: list[int] | None = None
+    ) -> list[int]:
+        """Chunk ids (sorted, unique) of ``slots`` whose entry is missing, has another tag or another checksum.
+
+        ``sums`` are the xxh3_64 digests of the slots' bytes when the caller already computed them.
+        """
+        if not len(slots):
+            return []
+        rows = self._meta[slots.entries]
+        ok = (rows[:, _STATE] >= (SEALED if checksums else TAGGED)) & (rows[:, _TAG] == slots.tags)
+        if checksums:
+            ok &= rows[:, _SUM] == (_checksums(host, slots) if sums is None else _as_int64(sums))
+        if bool(ok.all()):
+            return []
+        return sorted({int(c) for c in slots.chunk_ids[~ok]})
+
+
+def _checksums(host: memoryview, slots: BlockSlots) -> np.ndarray:
+    """xxh3_64 of each host byte range, as int64."""
+    return _as_int64([_hash(host[o : o + n]) for o, n in zip(slots.host_offsets, slots.lengths, strict=True)])
+
+
+def _as_int64(digests: list[int]) -> np.ndarray:
+    values: np.ndarray = np.array(digests, dtype=np.uint64).view(np.int64)
+    return values

