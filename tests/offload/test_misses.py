@@ -10,6 +10,7 @@ from kvoffload import BlockRemoved, ConfigError, InvalidStateError, JobResult, M
 from kvoffload.offload.keys import make_offload_key
 from kvoffload.offload.manager import HostBlockManager
 from kvoffload.offload.scheduler import OffloadScheduler
+from kvoffload.packed import pack_int64, unpack_int64
 from tests.helpers import offloading_config
 
 TPC = 16  # tokens per chunk in these tests (block 16, one block per chunk, hash every 16 tokens)
@@ -253,3 +254,32 @@ def test_manager_miss_reason_does_not_count_lookups() -> None:
     assert manager.miss_reason(b"x" * 36) is MissReason.NEVER_STORED
     after = manager.stats()
     assert (after.lookups, after.misses) == (before.lookups, before.misses)
+
+
+def test_corrupt_chunk_reported_by_a_worker_is_explained() -> None:
+    """Integrity's path: a load report naming a corrupt chunk drops it, and later misses say ``corrupt``."""
+    sched, manager = make()
+    a = hashes("a", 4)
+    offer(sched, a)
+    req, hit = ask(sched, a)
+    assert hit == 48
+    sched.on_blocks_allocated(req, [[1, 2, 3, 4]], num_external_tokens=48)
+    plan = sched.build_step_plan()
+    (job,) = plan.load_jobs
+    bad_chunk = unpack_int64(job.chunk_ids)[1]
+    result = JobResult(
+        job_id=job.job_id,
+        success=False,
+        is_store=False,
+        num_bytes=0,
+        seconds=0.0,
+        corrupt_chunk_ids=pack_int64([bad_chunk]),
+    )
+    outcome = sched.on_worker_reports([WorkerReport(rank=0, step=plan.step, results=(result,))])
+    assert outcome.failed_loads == (req,)
+    other, hit = ask(sched, a)
+    assert hit == 16
+    assert reasons(sched, other) == [(1, MissReason.CORRUPT), (2, MissReason.AFTER_GAP)]
+    stats = sched.stats()
+    assert stats.corrupted_chunks == 1 and stats.chunks_removed == {MissReason.CORRUPT: 1}
+    assert manager.miss_reason(make_offload_key(a[1], 0)) is MissReason.CORRUPT

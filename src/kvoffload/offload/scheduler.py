@@ -141,7 +141,7 @@ class SchedulerStats:
     chunk_miss_reasons: Mapping[MissReason, int] = field(default_factory=dict)
     """Wanted chunks that lookups did not load, by reason (a chunk counts once per lookup)."""
     chunks_removed: Mapping[MissReason, int] = field(default_factory=dict)
-    """Chunks dropped through :meth:`OffloadScheduler.forget_chunk`, by reason (e.g. corrupt)."""
+    """Chunks dropped as corrupt by load reports (integrity) or through :meth:`OffloadScheduler.forget_chunk`."""
     failed_loads: int = 0
     failed_stores: int = 0
 
@@ -362,10 +362,12 @@ class OffloadScheduler:
     def forget_chunk(self, key: bytes, reason: MissReason) -> bool:
         """Drop one chunk from the pool for ``reason`` and remember it, so later misses on it say why.
 
-        The hook for features that find a chunk unusable: a checksum mismatch (``MissReason.CORRUPT``) or a
-        tier that cannot serve it (``MissReason.TIER_UNAVAILABLE``). Returns True when the chunk was dropped
-        now; a chunk pinned by loads goes when its last load completes, an absent one only has its reason
-        remembered. A chunk whose store is in flight raises :class:`InvalidStateError`.
+        The hook for features that find a chunk unusable: a tier that cannot serve it
+        (``MissReason.TIER_UNAVAILABLE``), or a checksum mismatch found elsewhere than in a load report
+        (``MissReason.CORRUPT``; corrupt chunks named by worker reports are dropped already). Returns True when
+        the chunk was resident and is dropped (a chunk pinned by loads is never served again and is freed at
+        its last unpin); an absent one only has its reason remembered. A chunk whose store is in flight raises
+        :class:`InvalidStateError`.
         """
         dropped = bool(self.manager.remove([key], reason))
         self._removed[reason] = self._removed.get(reason, 0) + 1
