@@ -16,7 +16,9 @@ themselves (timed around each call in the "on" runs) over the "off" step time: t
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -35,7 +37,9 @@ def _parse() -> argparse.Namespace:
 ARGS = _parse()
 if not ARGS.no_multiprocess:
     # Must happen before prometheus_client is imported: the mode is fixed at import.
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="kvoffload-bench-metrics-")
+    _DIR = tempfile.mkdtemp(prefix="kvoffload-bench-metrics-")
+    atexit.register(shutil.rmtree, _DIR, True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = _DIR
 
 import torch  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
