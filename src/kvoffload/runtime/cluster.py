@@ -167,6 +167,11 @@ class WorkerCluster:
 
     # ------------------------------------------------------------------------------------------- startup
 
+    @property
+    def pool_id(self) -> str | None:
+        """Name of the shared host pool's segment files (``kvoffload_{pool_id}...``), None for private pools."""
+        return self._pool_id
+
     def start(self) -> None:
         """Check, spawn every worker and complete the Hello handshake with each (WorkerError if one fails).
 
