@@ -4,7 +4,7 @@ The public API is what this module exports (see ``__all__``): the schema types g
 ``schema/kvoffload.toml``, their codecs, the translator, the wire protocol, the scheduler-side manager
 and the torch worker backend. Importing kvoffload does not import torch: the torch-backed names
 (``HostPool``, ``CopyEngine``, ``OffloadWorker``, ``WorkerCluster``, ...) load on first use, so a
-scheduler process stays light.
+scheduler process stays light; so do the metrics and KV event names (prometheus_client, pyzmq).
 """
 
 from typing import TYPE_CHECKING as _TYPE_CHECKING
@@ -41,6 +41,7 @@ from ._generated import (
     MambaSpec,
     Medium,
     Message,
+    MissReason,
     MLAAttentionSpec,
     ModelConfig,
     OffloadingCacheConfig,
@@ -78,6 +79,7 @@ from .errors import (
 )
 from .offload.keys import hash_token_blocks, make_offload_key
 from .offload.manager import HostBlockManager, LookupResult, ManagerStats, OffloadEvent, StorePlan
+from .offload.misses import ChunkMiss
 from .offload.policy import register_policy
 from .offload.scheduler import OffloadScheduler, ReportOutcome, SchedulerStats
 from .packed import (
@@ -94,6 +96,8 @@ from .snapshot import load_snapshot
 from .translate import build_offloading_config, explain_offloading_config, translate_snapshot
 
 if _TYPE_CHECKING:
+    from .events import KVEventPublisher, KVEventSubscriber
+    from .metrics import MetricsSnapshot, SchedulerMetrics, WorkerMetrics
     from .offload.copy_engine import CopyEngine, TransferLayout, TransferResult, transfer_layout_from_config
     from .offload.host_pool import HostPool, HostPoolPlan, plan_host_pool, plan_host_pool_from_config
     from .offload.worker import OffloadWorker
@@ -112,6 +116,12 @@ _LAZY = {
     "OffloadWorker": "kvoffload.offload.worker",
     "WorkerCluster": "kvoffload.runtime.cluster",
     "validate_runnable": "kvoffload.runnable",
+    # observability: prometheus_client and pyzmq load on first use (a worker picks its metrics mode at import)
+    "KVEventPublisher": "kvoffload.events",
+    "KVEventSubscriber": "kvoffload.events",
+    "MetricsSnapshot": "kvoffload.metrics",
+    "SchedulerMetrics": "kvoffload.metrics",
+    "WorkerMetrics": "kvoffload.metrics",
 }
 
 
@@ -139,6 +149,7 @@ __all__ = [
     "BlockStored",
     "CacheConfig",
     "CacheDType",
+    "ChunkMiss",
     "ChunkedLocalAttentionSpec",
     "ConfigError",
     "CopyEngine",
@@ -168,6 +179,8 @@ __all__ = [
     "KVCacheTensor",
     "KVEvent",
     "KVEventBatch",
+    "KVEventPublisher",
+    "KVEventSubscriber",
     "KVEventsConfig",
     "KVOffloadError",
     "KVQuantMode",
@@ -178,6 +191,8 @@ __all__ = [
     "ManagerStats",
     "Medium",
     "Message",
+    "MetricsSnapshot",
+    "MissReason",
     "ModelConfig",
     "OffloadEvent",
     "OffloadScheduler",
@@ -191,6 +206,7 @@ __all__ = [
     "ParallelConfig",
     "PeerRole",
     "ReportOutcome",
+    "SchedulerMetrics",
     "SchedulerStats",
     "SchemaMismatchError",
     "Shutdown",
@@ -210,6 +226,7 @@ __all__ = [
     "WorkerCluster",
     "WorkerError",
     "WorkerFailure",
+    "WorkerMetrics",
     "WorkerReport",
     "__version__",
     "build_offloading_config",
