@@ -182,13 +182,40 @@ def test_connector_stats_report_interval_increases() -> None:
     half.scheduler.add_request("r#0", hashes, 64)
     assert half.scheduler.lookup("r#0", 0) == 0
     first = half.interval_stats()
-    assert first.data == {"lookup_misses": 1}
+    assert first.data == {"lookups": 1, "lookup_misses": 1, "lookup_misses_never_stored": 1}
     assert half.interval_stats().is_empty(), "a second report repeats the interval's counts"
     half.scheduler.add_request("s#1", hashes, 64)
     half.scheduler.lookup("s#1", 0)
     total = first.aggregate(half.interval_stats())
     assert isinstance(total, KVOffloadConnectorStats)
-    assert total.reduce() == {"kvoffload_lookup_misses": 2}
+    assert total.reduce() == {
+        "kvoffload_lookup_misses": 2,
+        "kvoffload_lookup_misses_never_stored": 2,
+        "kvoffload_lookups": 2,
+    }
+
+    # The same figures in vLLM's Prometheus registry (vLLM hands the metric classes in).
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    from kvoffload.integrations.vllm import KVOffloadConnector
+
+    registry = CollectorRegistry()
+    types = {Counter: partial(Counter, registry=registry), Gauge: Gauge, Histogram: Histogram}
+    transfer = KVTransferConfig(
+        kv_connector="KVOffloadConnector", kv_connector_module_path="kvoffload.integrations.vllm", kv_role="kv_both"
+    )
+    vllm_config = VllmConfig(kv_transfer_config=transfer)
+    prom = KVOffloadConnector.build_prom_metrics(vllm_config, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+    assert prom is not None
+    prom.observe(total.data, 0)
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value("kvoffload_lookups_total", labels) == 2
+    assert registry.get_sample_value("kvoffload_lookup_misses_total", labels) == 2
+    reason = {**labels, "reason": "never_stored"}
+    assert registry.get_sample_value("kvoffload_lookup_misses_by_reason_total", reason) == 2
 
 
 def test_preempted_requests_decode_the_same_tokens(

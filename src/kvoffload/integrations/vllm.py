@@ -23,7 +23,6 @@ This is the only kvoffload module that imports vllm; it needs the ``vllm`` extra
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import itertools
 import logging
@@ -44,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 try:  # request-level receive failures (vLLM 0.32); releases without them only call get_finished
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -96,6 +95,7 @@ __all__ = [
     "KVOffloadConnector",
     "KVOffloadConnectorMetadata",
     "KVOffloadConnectorStats",
+    "KVOffloadPromMetrics",
     "KVOffloadWorkerMetadata",
     "parse_connector_config",
     "parse_tiering_config",
@@ -393,19 +393,59 @@ class KVOffloadConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-_INTERVAL_COUNTERS = (
-    "lookup_hits",
-    "lookup_misses",
-    "tokens_loaded",
-    "tokens_stored",
-    "bytes_loaded",
-    "bytes_stored",
-    "load_seconds",
-    "store_seconds",
-    "failed_jobs",
-    "corrupt_loads",
-    "allocation_failures",
-)
+_INTERVAL_COUNTERS: dict[str, str] = {
+    # SchedulerStats field -> metric name (kvoffload.metrics' names, vLLM's where vLLM has one)
+    "lookups": "lookups",
+    "lookup_hits": "lookup_hits",
+    "lookup_misses": "lookup_misses",
+    "tokens_loaded": "load_tokens",
+    "tokens_stored": "store_tokens",
+    "bytes_loaded": "load_bytes",
+    "bytes_stored": "store_bytes",
+    "load_seconds": "load_time",
+    "store_seconds": "store_time",
+    "failed_loads": "failed_loads",
+    "failed_stores": "failed_stores",
+    "corrupt_loads": "corrupted_loads",
+    "allocation_failures": "allocation_failure",
+}
+
+
+class KVOffloadPromMetrics(KVConnectorPromMetrics):
+    """kvoffload's counters in vLLM's own Prometheus registry: ``kvoffload_<name>_total``, per engine label.
+
+    Miss reasons go into ``kvoffload_lookup_misses_by_reason_total{reason=...}``.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._children: dict[str, dict[int, Any]] = {}
+        for metric in _INTERVAL_COUNTERS.values():
+            counter = self._counter_cls(
+                name=f"kvoffload_{metric}", documentation=f"kvoffload {metric.replace('_', ' ')}", labelnames=labelnames
+            )
+            self._children[metric] = {e: counter.labels(*v) for e, v in per_engine_labelvalues.items()}
+        self._by_reason = self._counter_cls(
+            name="kvoffload_lookup_misses_by_reason",
+            documentation="kvoffload lookups that loaded nothing, by the reason of their first miss",
+            labelnames=[*labelnames, "reason"],
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        values = self.per_engine_labelvalues[engine_idx]
+        for name, value in transfer_stats_data.items():
+            if value <= 0:
+                continue
+            if name.startswith("lookup_misses_"):
+                self._by_reason.labels(*values, name.removeprefix("lookup_misses_")).inc(value)
+            elif name in self._children:
+                self._children[name][engine_idx].inc(value)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -455,7 +495,7 @@ class _SchedulerHalf:
         self._live: dict[str, Request] = {}  # every unfinished request vLLM told us about
         self._tracked: dict[str, _Tracked] = {}  # those registered with the scheduler (not while preempted)
         self._generation = itertools.count()
-        self._reported: dict[str, float] = dict.fromkeys(_INTERVAL_COUNTERS, 0)
+        self._reported: dict[str, float] = {}
         self.preemptions = 0
         logger.info(
             "kvoffload: host pool of %d chunks x %d bytes (%d GPU blocks per chunk, %s, %s loads)",
@@ -583,13 +623,16 @@ class _SchedulerHalf:
             self.scheduler.close()
 
     def interval_stats(self) -> KVOffloadConnectorStats:
-        """Counter increases since the previous call (what vLLM aggregates and logs)."""
-        now = dataclasses.asdict(self.scheduler.stats())
+        """Counter increases since the previous call (what vLLM aggregates, logs and exports)."""
+        stats = self.scheduler.stats()
+        now: dict[str, float] = {metric: getattr(stats, field) for field, metric in _INTERVAL_COUNTERS.items()}
+        for reason, count in stats.lookup_miss_reasons.items():
+            now[f"lookup_misses_{reason.value}"] = count
         delta: dict[str, Any] = {}
-        for name in _INTERVAL_COUNTERS:
-            value = now[name]
-            if value != self._reported[name]:
-                delta[name] = value - self._reported[name]
+        for name, value in now.items():
+            previous = self._reported.get(name, 0)
+            if value != previous:
+                delta[name] = value - previous
                 self._reported[name] = value
         return KVOffloadConnectorStats(data=delta)
 
@@ -872,6 +915,16 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVOffloadConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def has_pending_push_work(self) -> bool:
         """Stores, cascades or promotions still in flight: the engine keeps stepping until they are done."""
