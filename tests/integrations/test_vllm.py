@@ -150,8 +150,23 @@ def test_parse_connector_config_is_strict() -> None:
         parse_connector_config({"cpu_bytes_to_use": 1, "store_threshold": "two"})
     with pytest.raises(ConfigError, match="cache_policy_module_path"):
         parse_connector_config({"cpu_bytes_to_use": 1, "cache_policy_module_path": "x.y"})
-    with pytest.raises(ConfigError, match="TieringOffloadingSpec"):
-        parse_connector_config({"cpu_bytes_to_use": 1, "spec_name": "TieringOffloadingSpec"})
+    with pytest.raises(ConfigError, match="MyOwnSpec"):
+        parse_connector_config({"cpu_bytes_to_use": 1, "spec_name": "MyOwnSpec"})
+
+
+def test_parse_tiering_config_is_strict_and_needs_valkey_urls() -> None:
+    from kvoffload.integrations.vllm import parse_connector_config, parse_tiering_config
+
+    fs = {"type": "fs", "root_dir": "/tmp/x", "n_read_threads": 2}
+    extra = {"cpu_bytes_to_use": 1 << 20, "spec_name": "TieringOffloadingSpec", "secondary_tiers": [fs]}
+    assert parse_connector_config(extra).cpu_bytes_to_use == 1 << 20
+    (tier,) = parse_tiering_config(extra).secondary_tiers
+    assert tier.root_dir == "/tmp/x"  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match="n_read_threadz"):
+        parse_tiering_config({"secondary_tiers": [{"type": "fs", "root_dir": "/x", "n_read_threadz": 2}]})
+    with pytest.raises(ConfigError, match="url"):
+        parse_tiering_config({"secondary_tiers": [{"type": "valkey"}]})
+    assert not parse_tiering_config({"cpu_bytes_to_use": 1}).secondary_tiers
 
 
 def test_vllm_offline_example_runs() -> None:
