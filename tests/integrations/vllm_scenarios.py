@@ -14,25 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvoffload.integrations.tiny_model import WORDS
+
 SYSTEM = "the system cache memory block offload host device layer head attention value key page " * 12
 QUESTIONS = ["question one about the first answer", "question two about a large token", "question three"]
-FILLER_WORDS = [
-    "first",
-    "last",
-    "next",
-    "every",
-    "some",
-    "none",
-    "fast",
-    "slow",
-    "small",
-    "large",
-    "disk",
-    "network",
-    "tier",
-    "window",
-    "prefix",
-]
 
 ENGINE_KW: dict[str, Any] = {
     "dtype": "float32",
@@ -69,7 +54,7 @@ def fillers(count: int) -> list[str]:
     """Prompts with other prefixes, enough to push the shared prefix out of the engine's small KV pool."""
     out = []
     for i in range(count):
-        words = [FILLER_WORDS[(i * 7 + j * 3) % len(FILLER_WORDS)] for j in range(600)]
+        words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(600)]
         out.append(f"{i} " + " ".join(words))
     return out
 
