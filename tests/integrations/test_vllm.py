@@ -32,8 +32,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def _run(scenario: str, model: Path, out: Path, *, multiprocess: bool = False, timeout: float = 600) -> dict[str, Any]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING")
+def _run(
+    scenario: str, model: Path, out: Path, *, multiprocess: bool = False, timeout: float = 600, **env_extra: str
+) -> dict[str, Any]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING", **env_extra)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     proc = subprocess.run(
         [sys.executable, str(SCENARIOS), scenario, str(model), str(out)],
@@ -127,6 +129,15 @@ def test_multiprocess_engine_serves_prefix_from_host(
     run = _run("multiprocess", tiny_model, tmp_path, multiprocess=True)
     assert run["first_tokens"] == baseline["tokens"]
     assert run["reset_tokens"] == baseline["tokens"]
+    assert all(c > 0 for c in run["reset_cached"]), run["reset_cached"]
+
+
+def test_tensor_parallel_workers_each_offload_their_shard(
+    baseline: dict[str, Any], tiny_model: Path, tmp_path: Path
+) -> None:
+    # TP 2 on the CPU backend: two worker processes, each with its own host pool and its half of the KV heads.
+    run = _run("tp2", tiny_model, tmp_path, multiprocess=True, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    assert run["reset_tokens"] == run["first_tokens"]
     assert all(c > 0 for c in run["reset_cached"]), run["reset_cached"]
 
 

@@ -148,10 +148,12 @@ def connector(model: str, out: Path, load_mode: str) -> dict[str, Any]:
     return result
 
 
-def multiprocess(model: str, out: Path) -> dict[str, Any]:
+def multiprocess(model: str, out: Path, tensor_parallel_size: int = 1) -> dict[str, Any]:
     from vllm import LLM
 
-    llm = LLM(model=model, kv_transfer_config=connector_config({}), **ENGINE_KW)
+    llm = LLM(
+        model=model, kv_transfer_config=connector_config({}), tensor_parallel_size=tensor_parallel_size, **ENGINE_KW
+    )
     result: dict[str, Any] = {}
     result["first_tokens"], result["first_cached"] = one_by_one(llm, prompts())
     llm.reset_prefix_cache()
@@ -211,6 +213,8 @@ def main() -> None:
         result = connector(model, out_dir, scenario.split("-")[1])
     elif scenario == "multiprocess":
         result = multiprocess(model, out_dir)
+    elif scenario == "tp2":
+        result = multiprocess(model, out_dir, tensor_parallel_size=2)
     elif scenario in ("tiers-store", "tiers-reload"):
         result = tiers(model, out_dir, scenario.split("-")[1])
     elif scenario == "misspelled":
