@@ -141,6 +141,20 @@ def test_tensor_parallel_workers_each_offload_their_shard(
     assert all(c > 0 for c in run["reset_cached"]), run["reset_cached"]
 
 
+def test_sliding_window_model_reloads_its_window_from_host(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    from kvoffload.integrations.tiny_model import build_tiny_llama
+
+    model = build_tiny_llama(tmp_path_factory.mktemp("tiny-swa"), sliding_window=96)
+    run = _run("sliding-window", model, tmp_path)
+    assert run["spec_types"] == ["SlidingWindowSpec"]
+    assert run["window_chunks"] == [3]  # a 96-token window in 32-token chunks
+    assert run["reset_tokens"] == run["first_tokens"]
+    assert all(c > 0 for c in run["reset_cached"]), run["reset_cached"]
+    assert run["stats"]["tokens_loaded"] > 0 and run["stats"]["failed_jobs"] == 0
+
+
 def test_misspelled_extra_config_key_fails_engine_start(tiny_model: Path, tmp_path: Path) -> None:
     run = _run("misspelled", tiny_model, tmp_path)
     assert run["error_type"] is not None, "the engine started with a misspelled connector key"
