@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.offload.copy_engine import (
+from kvoffload.offload.copy import (
     CopyEngine,
     Placement,
     TransferLayout,
@@ -328,26 +328,27 @@ def test_a_store_invalidates_its_entries_until_its_copy_completes(
 ) -> None:
     import threading
 
-    from kvoffload.offload import copy_engine
+    from kvoffload.offload import copy as kvcopy
+    from kvoffload.offload.copy import cpu
 
     mover, pool, _ = private
     tag = [key_tag(b"k")]
     assert _run(mover, 1, store=True, block_ids=[1], chunk_ids=[4], chunk_tags=tag).success
     job = {"group_sizes": [1, 0], "block_indices": [0, 0], "block_ids": [2], "chunk_ids": [4], "chunk_tags": tag}
     where = {k: v for k, v in job.items() if k != "block_ids"}
-    slots = copy_engine.build_block_slots(
+    slots = kvcopy.build_block_slots(
         _layout(), pool.integrity, blocks_per_chunk=1, host_row_bytes=pool.row_bytes, **where
     )
     assert pool.integrity.states(slots).tolist() == [SEALED]
     release, started = threading.Event(), threading.Event()
-    real = copy_engine._memmove_runs
+    real = cpu._memmove_runs
 
     def held(*args: list[int]) -> None:
         started.set()
         release.wait(10)
         real(*args)
 
-    monkeypatch.setattr(copy_engine, "_memmove_runs", held)
+    monkeypatch.setattr(cpu, "_memmove_runs", held)
     mover.submit_store(2, **job)  # type: ignore[arg-type]
     assert started.wait(10)
     assert pool.integrity.states(slots).tolist() == [0]  # a load now would fail: the bytes are changing

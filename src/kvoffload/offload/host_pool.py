@@ -548,7 +548,7 @@ class HostPool:
     def close(self) -> None:
         """Release the pool: unpin, close the file and remove it if this process created it.
 
-        Close the :class:`~kvoffload.offload.copy_engine.CopyEngine` using the pool first. Shared memory is
+        Close the :class:`~kvoffload.offload.copy.CopyEngine` using the pool first. Shared memory is
         unmapped once the last tensor view of it is gone, never under a live view.
         """
         if self._closed:
