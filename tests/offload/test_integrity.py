@@ -19,6 +19,7 @@ from kvoffload.offload.copy import (
     Placement,
     TransferLayout,
     TransferResult,
+    build_block_slots,
     build_transfer_layout,
 )
 from kvoffload.offload.host_pool import HostPool, plan_host_pool
@@ -321,6 +322,50 @@ def test_big_jobs_hashed_in_shares_verify_every_slot(threads: int, layers: int) 
         pool.rows[9, layers * page + 5] ^= 1  # sub-block 1 of chunk 9
         pool.rows[2, 7] ^= 1
         assert _run(mover, 3, store=False, block_ids=back, **job).corrupt_chunk_ids == (2, 9)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_slots_bigger_than_a_hash_stretch_are_hashed_exactly(threads: int, layers: int) -> None:
+    # 160 KiB pages, 2 blocks per chunk: a sub-block of 160 or 320 KiB is hashed in 256 KiB stretches as its
+    # bytes are copied; the sealed checksums must equal a plain xxh3 of each sub-block, and a flipped byte
+    # past the first stretch must fail the load.
+    page, blocks = 160 << 10, 24
+    names = ("a", "b")[:layers]
+    layout = build_transfer_layout(
+        [Placement(size=layers * blocks * page, layers=names, layer_stride=blocks * page, block_stride=page)],
+        [[(name, page) for name in names]],
+        num_blocks=blocks,
+        worker_kv_bytes_per_block=layers * page,
+    )
+    plan = plan_host_pool(
+        worker_kv_bytes_per_block=layers * page,
+        world_size=1,
+        blocks_per_chunk=2,
+        cpu_bytes_to_use=16 * 2 * layers * page,
+        replicated=False,
+        rank=0,
+    )
+    gen = torch.Generator().manual_seed(11)
+    kv = torch.randint(0, 256, (layers * blocks * page,), dtype=torch.uint8, generator=gen)
+    original = kv.clone()
+    with HostPool(plan) as pool, CopyEngine(kv, layout, pool, cpu_threads=threads) as mover:
+        chunks = [15, 3, 4, 5, 9, 0, 1, 2, 6, 7, 8, 10]
+        tags = [key_tag(bytes([c])) for c in chunks]
+        job = {"group_sizes": [blocks], "block_indices": [0], "chunk_ids": chunks, "chunk_tags": tags}
+        block_ids = [(7 * i) % blocks for i in range(blocks)]
+        assert _run(mover, 1, store=True, block_ids=block_ids, **job).success
+        where = {k: v for k, v in job.items() if k != "chunk_tags"}
+        slots = build_block_slots(
+            layout, pool.integrity, chunk_tags=tags, blocks_per_chunk=2, host_row_bytes=pool.row_bytes, **where
+        )
+        host = memoryview(pool.rows.reshape(-1).numpy())  # type: ignore[arg-type]
+        assert pool.integrity.verify(slots, host, checksums=True) == []  # sealed sums == recomputed sums
+        kv.zero_()
+        assert _run(mover, 2, store=False, block_ids=block_ids, **job).success
+        assert torch.equal(kv, original)
+        pool.rows[4, layers * page + 300_000 % (layers * page)] ^= 1  # sub-block 1 of chunk 4, past 256 KiB
+        assert _run(mover, 3, store=False, block_ids=block_ids, **job).corrupt_chunk_ids == (4,)
 
 
 def test_a_store_invalidates_its_entries_until_its_copy_completes(
