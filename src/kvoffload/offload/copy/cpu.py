@@ -15,6 +15,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import xxhash
 
@@ -47,17 +48,14 @@ def _memmove_runs(dsts: list[int], srcs: list[int], lengths: list[int]) -> None:
     deque(map(ctypes.memmove, dsts, srcs, lengths), maxlen=0)  # no Python bytecode between the calls
 
 
-def _cut(
-    engine: torch.Tensor, host: torch.Tensor, length: torch.Tensor, piece: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The runs cut into consecutive pieces of at most ``piece`` bytes."""
+def _cut(engine: np.ndarray, host: np.ndarray, length: np.ndarray, piece: int) -> tuple[np.ndarray, ...]:
+    """The runs cut into consecutive pieces of at most ``piece`` bytes (numpy: a few µs per call)."""
     pieces = (length + (piece - 1)) // piece
-    if length.numel() == 0 or int(pieces.max()) <= 1:
+    if length.size == 0 or int(pieces.max()) <= 1:
         return engine, host, length
-    owner = torch.repeat_interleave(torch.arange(length.numel()), pieces)
-    piece_no = torch.arange(owner.numel()) - (pieces.cumsum(0) - pieces)[owner]
-    skip = piece_no * piece
-    return engine[owner] + skip, host[owner] + skip, torch.clamp(length[owner] - skip, max=piece)
+    owner = np.repeat(np.arange(length.size), pieces)
+    skip = (np.arange(owner.size) - (np.cumsum(pieces) - pieces)[owner]) * piece
+    return engine[owner] + skip, host[owner] + skip, np.minimum(length[owner] - skip, piece)
 
 
 def _cpu_work(
@@ -68,7 +66,13 @@ def _cpu_work(
     if length.numel() == 0:
         return []
     if parts > 1:
-        engine, host, length = _cut(engine, host, length, _PIECE_BYTES)
+        pieces = (length + (_PIECE_BYTES - 1)) // _PIECE_BYTES
+        if int(pieces.max()) > 1:
+            owner = torch.repeat_interleave(torch.arange(length.numel()), pieces)
+            piece_no = torch.arange(owner.numel()) - (pieces.cumsum(0) - pieces)[owner]
+            skip = piece_no * _PIECE_BYTES
+            engine, host = engine[owner] + skip, host[owner] + skip
+            length = torch.clamp(length[owner] - skip, max=_PIECE_BYTES)
     engine, host = engine + kv_ptr, host + host_ptr
     dst, src = (host, engine) if is_store else (engine, host)
     if parts <= 1:
@@ -107,38 +111,41 @@ def _hashed_parts(
     hashed right after the pieces starting before its end are copied: the bytes are hashed while in cache.
     Everything is computed here, vectorized, so that the copy loop only moves and hashes.
     """
-    order = torch.argsort(runs.host_offsets)
-    engine, host, lengths = _cut(runs.engine_offsets[order], runs.host_offsets[order], runs.lengths[order], _HASH_BYTES)
+    starts = runs.host_offsets.numpy()
+    order = np.argsort(starts, kind="stable")
+    engine, host, lengths = _cut(
+        runs.engine_offsets.numpy()[order], starts[order], runs.lengths.numpy()[order], _HASH_BYTES
+    )
     dst, src = (host + host_ptr, engine + kv_ptr) if is_store else (engine + kv_ptr, host + host_ptr)
-    visit = torch.argsort(torch.as_tensor(slots.host_offsets, dtype=torch.int64), stable=True)
-    slot_first = torch.as_tensor(slots.host_offsets, dtype=torch.int64)[visit]
-    slot_size = torch.as_tensor(slots.lengths, dtype=torch.int64)[visit]
+    offsets = np.asarray(slots.host_offsets, dtype=np.int64)
+    visit = np.argsort(offsets, kind="stable")
+    slot_first = offsets[visit]
+    slot_size = np.asarray(slots.lengths, dtype=np.int64)[visit]
     # segments of each slot (an empty slot keeps one empty segment)
-    count = torch.clamp((slot_size + (_HASH_BYTES - 1)) // _HASH_BYTES, min=1)
-    owner = torch.repeat_interleave(torch.arange(visit.numel()), count)
-    seg_no = torch.arange(owner.numel()) - (count.cumsum(0) - count)[owner]
+    count = np.maximum((slot_size + (_HASH_BYTES - 1)) // _HASH_BYTES, 1)
+    owner = np.repeat(np.arange(visit.size), count)
+    seg_no = np.arange(owner.size) - (np.cumsum(count) - count)[owner]
     first = slot_first[owner] + seg_no * _HASH_BYTES
-    last = torch.minimum(first + _HASH_BYTES, (slot_first + slot_size)[owner])
+    last = np.minimum(first + _HASH_BYTES, (slot_first + slot_size)[owner])
     final = seg_no == count[owner] - 1
-    bound = torch.searchsorted(host, last)
+    bound = np.searchsorted(host, last)
     cuts, run_cuts = [0], [0]  # segment and run positions where a share starts
-    slot_count = int(visit.numel())
-    if parts > 1 and slot_count > 1:
+    if parts > 1 and visit.size > 1:
         next_first = slot_first[1:]
-        before_next = torch.searchsorted(host, next_first)  # pieces starting before each next slot
-        reach = (host + lengths)[(before_next - 1).clamp(min=0)]
-        allowed = ((before_next == 0) | (reach <= next_first)).nonzero().squeeze(1)
-        done = slot_size.cumsum(0)
-        targets = int(done[-1]) * torch.arange(1, parts, dtype=torch.int64) // parts
-        picks = torch.searchsorted(done[allowed], targets)  # first allowed cut with at least the target
-        slot_ends = count.cumsum(0)
+        before_next = np.searchsorted(host, next_first)  # pieces starting before each next slot
+        reach = (host + lengths)[np.maximum(before_next - 1, 0)]
+        allowed = np.flatnonzero((before_next == 0) | (reach <= next_first))
+        done = np.cumsum(slot_size)
+        targets = int(done[-1]) * np.arange(1, parts, dtype=np.int64) // parts
+        picks = np.searchsorted(done[allowed], targets)  # first allowed cut with at least the target
+        slot_ends = np.cumsum(count)
         for pick in sorted(set(picks.tolist())):
-            if pick < allowed.numel():
+            if pick < allowed.size:
                 position = int(allowed[pick])
                 cuts.append(int(slot_ends[position]))
                 run_cuts.append(int(before_next[position]))
-    cuts.append(int(owner.numel()))
-    run_cuts.append(int(lengths.numel()))
+    cuts.append(int(owner.size))
+    run_cuts.append(int(lengths.size))
     ids, firsts, lasts, bounds = visit[owner].tolist(), first.tolist(), last.tolist(), bound.tolist()
     whole, finals = (count[owner] == 1).tolist(), final.tolist()
     dsts, srcs, length_list = dst.tolist(), src.tolist(), lengths.tolist()
