@@ -4,7 +4,7 @@ The public API is what this module exports (see ``__all__``): the schema types g
 ``schema/kvoffload.toml``, their codecs, the translator, the wire protocol, the scheduler-side manager
 and the torch worker backend. Importing kvoffload does not import torch: the torch-backed names
 (``HostPool``, ``CopyEngine``, ``OffloadWorker``, ``WorkerCluster``, ...) load on first use, so a
-scheduler process stays light.
+scheduler process stays light; so do the metrics and KV event names (prometheus_client, pyzmq).
 """
 
 from typing import TYPE_CHECKING as _TYPE_CHECKING
@@ -40,6 +40,7 @@ from ._generated import (
     MambaSpec,
     Medium,
     Message,
+    MissReason,
     MLAAttentionSpec,
     ModelConfig,
     OffloadingCacheConfig,
@@ -77,6 +78,7 @@ from .errors import (
 )
 from .offload.keys import hash_token_blocks, make_offload_key
 from .offload.manager import HostBlockManager, LookupResult, ManagerStats, OffloadEvent, StorePlan
+from .offload.misses import ChunkMiss
 from .offload.policy import register_policy
 from .offload.scheduler import OffloadScheduler, ReportOutcome, SchedulerStats
 from .packed import (
@@ -99,6 +101,8 @@ from .translate import (
 )
 
 if _TYPE_CHECKING:
+    from .events import KVEventPublisher, KVEventSubscriber
+    from .metrics import MetricsSnapshot, SchedulerMetrics, WorkerMetrics
     from .offload.copy import CopyEngine, TransferLayout, TransferResult, transfer_layout_from_config
     from .offload.host_pool import HostPool, HostPoolPlan, plan_host_pool, plan_host_pool_from_config
     from .offload.worker import OffloadWorker
@@ -117,6 +121,12 @@ _LAZY = {
     "OffloadWorker": "kvoffload.offload.worker",
     "WorkerCluster": "kvoffload.runtime.cluster",
     "validate_runnable": "kvoffload.runnable",
+    # observability: prometheus_client and pyzmq load on first use (a worker picks its metrics mode at import)
+    "KVEventPublisher": "kvoffload.events",
+    "KVEventSubscriber": "kvoffload.events",
+    "MetricsSnapshot": "kvoffload.metrics",
+    "SchedulerMetrics": "kvoffload.metrics",
+    "WorkerMetrics": "kvoffload.metrics",
 }
 
 
@@ -144,6 +154,7 @@ __all__ = [
     "BlockStored",
     "CacheConfig",
     "CacheDType",
+    "ChunkMiss",
     "ChunkedLocalAttentionSpec",
     "ConfigError",
     "CopyEngine",
@@ -173,6 +184,8 @@ __all__ = [
     "KVCacheTensor",
     "KVEvent",
     "KVEventBatch",
+    "KVEventPublisher",
+    "KVEventSubscriber",
     "KVEventsConfig",
     "KVOffloadError",
     "KVQuantMode",
@@ -183,6 +196,8 @@ __all__ = [
     "ManagerStats",
     "Medium",
     "Message",
+    "MetricsSnapshot",
+    "MissReason",
     "ModelConfig",
     "OffloadEvent",
     "OffloadScheduler",
@@ -196,6 +211,7 @@ __all__ = [
     "ParallelConfig",
     "PeerRole",
     "ReportOutcome",
+    "SchedulerMetrics",
     "SchedulerStats",
     "SchemaMismatchError",
     "Shutdown",
@@ -215,6 +231,7 @@ __all__ = [
     "WorkerCluster",
     "WorkerError",
     "WorkerFailure",
+    "WorkerMetrics",
     "WorkerReport",
     "__version__",
     "build_offloading_config",

@@ -10,6 +10,8 @@ Subcommands (one ``_add_<name>`` parser builder and one ``_run_<name>`` handler 
 * ``kvoffload demo [--workers N] [--requests N] [--cpu-bytes SIZE] [--policy lru|arc] [--snapshot FILE]
   [--worker-timeout SECONDS]`` runs the verified multi-process offloading demo (the main job); it exits 1 when
   any reloaded block mismatches or a worker dies (with the worker's own error).
+  ``--metrics-port N`` serves Prometheus ``/metrics`` while it runs, ``--explain-misses`` prints why lookups
+  missed, ``--kv-events tcp://HOST:PORT`` publishes the pool's KV events.
 
 Invalid input, unrunnable snapshots and translator rejections exit with status 2 and one ``error: …`` line on
 stderr (no traceback); Ctrl-C exits with 130 and one line, after the demo's workers are stopped.
@@ -18,13 +20,17 @@ stderr (no traceback); Ctrl-C exits with 130 and one line, after the demo's work
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import re
 import sys
+import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import msgspec
 
@@ -144,6 +150,18 @@ def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="secondary tier below the host pool, repeatable: disk:PATH, valkey (embedded server), valkey://host:port",
     )
     p.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
+    # -- observability (issue 13)
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on 127.0.0.1:PORT")
+    p.add_argument(
+        "--metrics-linger",
+        type=float,
+        default=0.0,
+        help="keep serving /metrics this many seconds after the run (so a scraper sees the final values)",
+    )
+    p.add_argument("--explain-misses", action="store_true", help="print why lookups missed, per reason")
+    p.add_argument(
+        "--kv-events", default=None, metavar="ENDPOINT", help="publish KV events on a ZMQ endpoint (tcp://HOST:PORT)"
+    )
     p.set_defaults(handler=_run_demo)
 
 
@@ -180,8 +198,20 @@ def _run_demo(args: argparse.Namespace) -> int:
         if not 0 < args.worker_timeout < 1e9:
             raise ConfigError(f"--worker-timeout={args.worker_timeout} must be a number of seconds > 0")
         options = dataclasses.replace(options, worker_timeout_s=args.worker_timeout)
-    result = run_demo(snapshot, options, progress=not args.no_progress)
-    print(render_result(result), end="")
+    with contextlib.ExitStack() as stack:
+        kwargs = _demo_observability(args, stack)
+        result = run_demo(snapshot, options, progress=not args.no_progress, **kwargs)
+        print(render_result(result), end="")
+        if args.explain_misses:
+            from .demo import render_misses
+
+            print(render_misses(result), end="")
+        if "events" in kwargs:
+            print(f"kv events: {result.events_published} batches published, {result.events_dropped} dropped")
+        if args.metrics_port is not None and args.metrics_linger > 0:
+            sys.stdout.flush()
+            with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends the lingering, not the run
+                time.sleep(args.metrics_linger)
     if not result.ok:
         _error(
             f"verification failed: {len(result.mismatched_blocks)} mismatched blocks, {result.failed_jobs} "
@@ -191,6 +221,30 @@ def _run_demo(args: argparse.Namespace) -> int:
         return 1
     print(f"ok: {result.blocks_verified} reloaded blocks verified byte for byte")
     return EXIT_OK
+
+
+def _demo_observability(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]:
+    """Metrics registry + server, worker metrics directory and KV event publisher the demo flags ask for."""
+    kwargs: dict[str, Any] = {}
+    if args.metrics_linger < 0:
+        raise ConfigError(f"--metrics-linger={args.metrics_linger} must be >= 0")
+    if args.metrics_port is not None:
+        from prometheus_client import CollectorRegistry
+
+        from .metrics import SchedulerMetrics, add_worker_collector, serve_metrics
+
+        metrics_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoffload-metrics-"))
+        registry = CollectorRegistry()
+        kwargs["metrics"] = SchedulerMetrics(registry)
+        kwargs["metrics_dir"] = metrics_dir
+        add_worker_collector(registry, metrics_dir)
+        server = stack.enter_context(serve_metrics(registry, args.metrics_port))
+        print(f"serving metrics at {server.url}", file=sys.stderr)
+    if args.kv_events is not None:
+        from .events import KVEventPublisher
+
+        kwargs["events"] = stack.enter_context(KVEventPublisher(args.kv_events, engine_id="kvoffload-demo"))
+    return kwargs
 
 
 # ------------------------------------------------------------------------------------------------------------

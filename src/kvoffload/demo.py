@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -48,7 +49,11 @@ from .tiers.cascade import TieredScheduler, TierStatsRow, start_embedded_servers
 from .tiers.valkey import EmbeddedValkey
 from .translate import translate_snapshot
 
-__all__ = ["DemoOptions", "DemoResult", "default_snapshot", "run_demo"]
+if TYPE_CHECKING:
+    from .events import KVEventPublisher
+    from .metrics import SchedulerMetrics
+
+__all__ = ["DemoOptions", "DemoResult", "default_snapshot", "render_misses", "run_demo"]
 
 MiB = 1 << 20
 
@@ -140,6 +145,10 @@ class DemoResult:
     host_chunks_filled: int = 0
     host_chunks: int = 0
     tiers: list[TierStatsRow] = field(default_factory=list)
+    lookup_miss_reasons: dict[str, int] = field(default_factory=dict)
+    chunk_miss_reasons: dict[str, int] = field(default_factory=dict)
+    events_published: int = 0
+    events_dropped: int = 0
 
     @property
     def ok(self) -> bool:
@@ -216,12 +225,20 @@ class _Workload:
 
 
 class _Demo:
-    def __init__(self, snapshot: EngineSnapshot, options: DemoOptions) -> None:
+    def __init__(
+        self,
+        snapshot: EngineSnapshot,
+        options: DemoOptions,
+        metrics: SchedulerMetrics | None = None,
+        events: KVEventPublisher | None = None,
+    ) -> None:
         self.options = options
+        self.metrics = metrics
+        self.events = events
         self.config: OffloadingConfig = translate_snapshot(snapshot)
         policy = self.config.extra_config.get("eviction_policy", "lru")
         self.num_chunks = plan_host_pool_from_config(self.config).num_chunks
-        self.manager = HostBlockManager(self.num_chunks, str(policy))
+        self.manager = HostBlockManager(self.num_chunks, str(policy), enable_events=events is not None)
         self.sched: OffloadScheduler
         if options.tiering is not None:
             self.sched = TieredScheduler(self.config, self.manager, options.tiering)
@@ -346,6 +363,16 @@ class _Demo:
             if req.num_computed < req.prompt_len or any(req is c[0] for c in computes):
                 continue
             self._decode(req)
+        self.observe()
+
+    def observe(self, *, final: bool = False) -> None:
+        """Publish this step's KV events and bring the metrics up to date (rate-limited unless ``final``)."""
+        if self.events is not None:
+            self.events.publish(self.sched.take_events())
+        if self.metrics is not None:
+            if self.events is not None:
+                self.metrics.record_event_batches(self.events.sent, self.events.dropped)
+            self.metrics.observe(self.sched, force=final)
 
     def _decode(self, req: _Request) -> None:
         req.tokens.append(random.Random(f"{req.req_id}:{len(req.tokens)}").randrange(1, 32000))
@@ -381,11 +408,16 @@ def run_demo(
     *,
     progress: bool = True,
     max_steps: int = 100_000,
+    metrics: SchedulerMetrics | None = None,
+    metrics_dir: str | None = None,
+    events: KVEventPublisher | None = None,
 ) -> DemoResult:
     """Run the demo workload on ``snapshot`` with one worker process per rank; returns what it measured.
 
     Raises HostMemoryError before starting any process when the workers' KV memory and host pools would
     not fit in this machine's available memory (real-size snapshots need a real-size machine).
+    ``metrics`` is updated after every step; workers record their transfer metrics under ``metrics_dir``
+    (prometheus_client multiprocess mode); ``events`` publishes the pool's KV events after every step.
     """
     _check_memory(snapshot, translate_snapshot(snapshot))
     servers: list[EmbeddedValkey] = []
@@ -394,24 +426,39 @@ def run_demo(
         servers.extend(embedded)
         options = dataclasses.replace(options, tiering=tiering)
     try:
-        return _run(snapshot, options, progress, max_steps)
+        return _run(snapshot, options, progress, max_steps, metrics, metrics_dir, events)
     finally:
         for server in servers:
             server.stop()
 
 
-def _run(snapshot: EngineSnapshot, options: DemoOptions, progress: bool, max_steps: int) -> DemoResult:
-    demo = _Demo(snapshot, options)
-    _check_memory(snapshot, demo.config)
+def _run(
+    snapshot: EngineSnapshot,
+    options: DemoOptions,
+    progress: bool,
+    max_steps: int,
+    metrics: SchedulerMetrics | None,
+    metrics_dir: str | None,
+    events: KVEventPublisher | None,
+) -> DemoResult:
+    demo = _Demo(snapshot, options, metrics, events)
     _check_workload_fits(options, demo.tph, demo.groups, demo.num_blocks)
     try:
-        return _drive(demo, snapshot, options, progress, max_steps)
+        return _drive(demo, snapshot, options, progress, max_steps, metrics_dir, events)
     finally:
         if isinstance(demo.sched, TieredScheduler):
             demo.sched.close()
 
 
-def _drive(demo: _Demo, snapshot: EngineSnapshot, options: DemoOptions, progress: bool, max_steps: int) -> DemoResult:
+def _drive(
+    demo: _Demo,
+    snapshot: EngineSnapshot,
+    options: DemoOptions,
+    progress: bool,
+    max_steps: int,
+    metrics_dir: str | None,
+    events: KVEventPublisher | None,
+) -> DemoResult:
     started = time.perf_counter()
     cluster = WorkerCluster(
         snapshot,
@@ -421,6 +468,7 @@ def _drive(demo: _Demo, snapshot: EngineSnapshot, options: DemoOptions, progress
         worker_timeout_s=options.worker_timeout_s,
         memcpy_probe_bytes=options.memcpy_probe_bytes,
         tiering=options.tiering,
+        metrics_dir=metrics_dir,
     )
     cluster.start()
     bar = _progress(options.requests) if progress else None
@@ -436,6 +484,7 @@ def _drive(demo: _Demo, snapshot: EngineSnapshot, options: DemoOptions, progress
     demo.sched.on_worker_reports(final.reports)
     if isinstance(demo.sched, TieredScheduler):
         demo.result.tiers = list(demo.sched.tier_stats)
+    demo.observe(final=True)
     probes = [struct.unpack("<d", bytes(extras[0]))[0] for extras in final.attachments.values() if extras]
     stats = demo.sched.stats()
     result = demo.result
@@ -443,6 +492,10 @@ def _drive(demo: _Demo, snapshot: EngineSnapshot, options: DemoOptions, progress
     result.store_seconds, result.load_seconds = stats.store_seconds, stats.load_seconds
     result.memcpy_gbps = sum(probes) / len(probes) if probes else 0.0
     result.host_chunks_filled = len(demo.manager)
+    result.lookup_miss_reasons = {str(k): v for k, v in stats.lookup_miss_reasons.items()}
+    result.chunk_miss_reasons = {str(k): v for k, v in stats.chunk_miss_reasons.items()}
+    if events is not None:
+        result.events_published, result.events_dropped = events.sent, events.dropped
     result.wall_seconds = time.perf_counter() - started
     if demo.result.steps >= max_steps:
         raise DeadlineError(f"the demo did not finish within max_steps={max_steps} steps")
@@ -535,6 +588,7 @@ def render_result(result: DemoResult) -> str:
         ("prompt tokens loaded from host", f"{result.tokens_loaded}"),
         ("prompt tokens recomputed", f"{result.tokens_recomputed}"),
         ("host pool chunks filled at end", f"{result.host_chunks_filled} of {result.host_chunks}"),
+        ("bytes stored / loaded", f"{result.bytes_stored} / {result.bytes_loaded}"),
         ("store GB/s", f"{result.store_gbps:.2f}"),
         ("load GB/s", f"{result.load_gbps:.2f}"),
         ("plain memcpy GB/s (same run)", f"{result.memcpy_gbps:.2f}"),
@@ -570,6 +624,31 @@ def _tier_rows(result: DemoResult) -> list[tuple[str, str]]:
         )
         rows.append((f"{name}: write / read GB/s", f"{t.write_gbps:.2f} / {t.read_gbps:.2f}"))
     return rows
+
+
+def render_misses(result: DemoResult) -> str:
+    """The miss breakdown (``kvoffload demo --explain-misses``): lookups and chunks per MissReason."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from ._generated import MissReason
+
+    table = Table(title="why lookups missed", show_header=True)
+    table.add_column("reason")
+    table.add_column("lookups (nothing loaded)", justify="right")
+    table.add_column("chunks not loaded", justify="right")
+    for reason in MissReason:
+        table.add_row(
+            reason.value,
+            f"{result.lookup_miss_reasons.get(reason.value, 0)}",
+            f"{result.chunk_miss_reasons.get(reason.value, 0)}",
+        )
+    table.add_row("total", f"{sum(result.lookup_miss_reasons.values())}", f"{sum(result.chunk_miss_reasons.values())}")
+    out = StringIO()
+    Console(file=out, width=100, force_terminal=False).print(table)
+    return out.getvalue()
 
 
 def snapshot_with_overrides(snapshot: EngineSnapshot, *, cpu_bytes: int | None, policy: str | None) -> EngineSnapshot:

@@ -32,6 +32,7 @@ from kvoffload import (
     codecs,
     wire,
 )
+from kvoffload._generated import Heartbeat, TierJob, TierJobResult, WorkerFailure
 from kvoffload._generated.types import Message
 from kvoffload.packed import pack_int32, pack_int64
 
@@ -47,6 +48,7 @@ def _job(job_id: int, blocks: int, *, sync: bool = False) -> TransferJob:
         block_ids=pack_int64(range(1000 + job_id, 1000 + job_id + blocks)),
         chunk_ids=pack_int64([2**33 + job_id, -1]),
         sync=sync,
+        chunk_tags=pack_int64([-(2**63) + job_id, 2**63 - 1]),
     )
 
 
@@ -73,6 +75,10 @@ def golden_messages() -> list[tuple[str, Message, list[bytes]]]:
                 load_jobs=(_job(1, 4, sync=True),),
                 store_jobs=(_job(2, 3), _job(3, 1)),
                 flush=pack_int64([7, 8]),
+                tier_jobs=(
+                    TierJob(job_id=0, tier=1, is_promotion=True, keys=(b"k" * 36,), chunk_ids=pack_int64([5])),
+                    TierJob(job_id=1, tier=0, is_promotion=False, keys=(), chunk_ids=pack_int64([])),
+                ),
             ),
             [],
         ),
@@ -90,14 +96,28 @@ def golden_messages() -> list[tuple[str, Message, list[bytes]]]:
                 results=(
                     JobResult(job_id=1, success=True, is_store=False, num_bytes=2**36, seconds=0.125),
                     JobResult(job_id=2, success=False, is_store=True, num_bytes=0, seconds=0.0),
+                    JobResult(
+                        job_id=3,
+                        success=False,
+                        is_store=False,
+                        num_bytes=0,
+                        seconds=0.5,
+                        error="chunk 9 failed its checksum",
+                        corrupt_chunk_ids=pack_int64([9]),
+                    ),
                 ),
+                tier_results=(TierJobResult(job_id=0, failed=pack_int32([0]), num_bytes=4096, seconds=0.25),),
             ),
             [],
         ),
+        ("worker_failure", WorkerFailure(rank=1, error_type="ConfigError", message="bad layout", step=7), []),
+        ("heartbeat", Heartbeat(rank=2, seq=2**40), []),
         ("shutdown", Shutdown(reason="tests are done"), []),
         (
             "kv_event_batch",
             KVEventBatch(
+                seq=41,
+                engine_id="engine-golden",
                 ts=1234.5,
                 events=(
                     BlockStored(

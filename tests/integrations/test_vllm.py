@@ -150,8 +150,23 @@ def test_parse_connector_config_is_strict() -> None:
         parse_connector_config({"cpu_bytes_to_use": 1, "store_threshold": "two"})
     with pytest.raises(ConfigError, match="cache_policy_module_path"):
         parse_connector_config({"cpu_bytes_to_use": 1, "cache_policy_module_path": "x.y"})
-    with pytest.raises(ConfigError, match="TieringOffloadingSpec"):
-        parse_connector_config({"cpu_bytes_to_use": 1, "spec_name": "TieringOffloadingSpec"})
+    with pytest.raises(ConfigError, match="MyOwnSpec"):
+        parse_connector_config({"cpu_bytes_to_use": 1, "spec_name": "MyOwnSpec"})
+
+
+def test_parse_tiering_config_is_strict_and_needs_valkey_urls() -> None:
+    from kvoffload.integrations.vllm import parse_connector_config, parse_tiering_config
+
+    fs = {"type": "fs", "root_dir": "/tmp/x", "n_read_threads": 2}
+    extra = {"cpu_bytes_to_use": 1 << 20, "spec_name": "TieringOffloadingSpec", "secondary_tiers": [fs]}
+    assert parse_connector_config(extra).cpu_bytes_to_use == 1 << 20
+    (tier,) = parse_tiering_config(extra).secondary_tiers
+    assert tier.root_dir == "/tmp/x"  # type: ignore[union-attr]
+    with pytest.raises(ConfigError, match="n_read_threadz"):
+        parse_tiering_config({"secondary_tiers": [{"type": "fs", "root_dir": "/x", "n_read_threadz": 2}]})
+    with pytest.raises(ConfigError, match="url"):
+        parse_tiering_config({"secondary_tiers": [{"type": "valkey"}]})
+    assert not parse_tiering_config({"cpu_bytes_to_use": 1}).secondary_tiers
 
 
 def test_vllm_offline_example_runs() -> None:
@@ -182,13 +197,40 @@ def test_connector_stats_report_interval_increases() -> None:
     half.scheduler.add_request("r#0", hashes, 64)
     assert half.scheduler.lookup("r#0", 0) == 0
     first = half.interval_stats()
-    assert first.data == {"lookup_misses": 1}
+    assert first.data == {"lookups": 1, "lookup_misses": 1, "lookup_misses_never_stored": 1}
     assert half.interval_stats().is_empty(), "a second report repeats the interval's counts"
     half.scheduler.add_request("s#1", hashes, 64)
     half.scheduler.lookup("s#1", 0)
     total = first.aggregate(half.interval_stats())
     assert isinstance(total, KVOffloadConnectorStats)
-    assert total.reduce() == {"kvoffload_lookup_misses": 2}
+    assert total.reduce() == {
+        "kvoffload_lookup_misses": 2,
+        "kvoffload_lookup_misses_never_stored": 2,
+        "kvoffload_lookups": 2,
+    }
+
+    # The same figures in vLLM's Prometheus registry (vLLM hands the metric classes in).
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+    from vllm.config import KVTransferConfig, VllmConfig
+
+    from kvoffload.integrations.vllm import KVOffloadConnector
+
+    registry = CollectorRegistry()
+    types = {Counter: partial(Counter, registry=registry), Gauge: Gauge, Histogram: Histogram}
+    transfer = KVTransferConfig(
+        kv_connector="KVOffloadConnector", kv_connector_module_path="kvoffload.integrations.vllm", kv_role="kv_both"
+    )
+    vllm_config = VllmConfig(kv_transfer_config=transfer)
+    prom = KVOffloadConnector.build_prom_metrics(vllm_config, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+    assert prom is not None
+    prom.observe(total.data, 0)
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value("kvoffload_lookups_total", labels) == 2
+    assert registry.get_sample_value("kvoffload_lookup_misses_total", labels) == 2
+    reason = {**labels, "reason": "never_stored"}
+    assert registry.get_sample_value("kvoffload_lookup_misses_by_reason_total", reason) == 2
 
 
 def test_preempted_requests_decode_the_same_tokens(
@@ -213,3 +255,18 @@ def test_chunk_size_that_is_not_a_block_multiple_is_rounded_up() -> None:
     fitted = translate_snapshot(_fit_chunk_size(odd))
     assert fitted.cache.blocks_per_chunk == 3  # 48 tokens
     assert _fit_chunk_size(snapshot) is snapshot  # a multiple already: untouched
+
+
+def test_disk_tier_serves_a_new_engine_after_restart(
+    baseline: dict[str, Any], tiny_model: Path, tmp_path: Path
+) -> None:
+    first = _run("tiers-store", tiny_model, tmp_path)
+    assert first["tokens"] == baseline["tokens"]
+    assert not first["pending"], "stores and cascades did not finish"
+    assert first["cascaded"] > 0
+    second = _run("tiers-reload", tiny_model, tmp_path)  # a new engine process, an empty host pool
+    assert second["tokens"] == baseline["tokens"]
+    assert second["promoted"] > 0
+    assert second["cached"][0] > 0, "the first prompt of the new engine was not served from disk"
+    assert second["stats"]["tokens_loaded"] > 0
+    assert second["stats"]["failed_jobs"] == 0

@@ -14,25 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvoffload.integrations.tiny_model import WORDS
+
 SYSTEM = "the system cache memory block offload host device layer head attention value key page " * 12
 QUESTIONS = ["question one about the first answer", "question two about a large token", "question three"]
-FILLER_WORDS = [
-    "first",
-    "last",
-    "next",
-    "every",
-    "some",
-    "none",
-    "fast",
-    "slow",
-    "small",
-    "large",
-    "disk",
-    "network",
-    "tier",
-    "window",
-    "prefix",
-]
 
 ENGINE_KW: dict[str, Any] = {
     "dtype": "float32",
@@ -69,7 +54,7 @@ def fillers(count: int) -> list[str]:
     """Prompts with other prefixes, enough to push the shared prefix out of the engine's small KV pool."""
     out = []
     for i in range(count):
-        words = [FILLER_WORDS[(i * 7 + j * 3) % len(FILLER_WORDS)] for j in range(600)]
+        words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(600)]
         out.append(f"{i} " + " ".join(words))
     return out
 
@@ -176,6 +161,32 @@ def multiprocess(model: str, out: Path) -> dict[str, Any]:
     return result
 
 
+def tiers(model: str, out: Path, phase: str) -> dict[str, Any]:
+    """A disk tier under the host pool: one engine stores (and cascades), a fresh engine reloads from disk."""
+    from vllm import LLM
+
+    tier = {"type": "fs", "root_dir": str(out / "disk"), "n_read_threads": 2, "n_write_threads": 2}
+    llm = LLM(
+        model=model,
+        distributed_executor_backend="uni",
+        kv_transfer_config=connector_config({"spec_name": "TieringOffloadingSpec", "secondary_tiers": [tier]}),
+        **ENGINE_KW,
+    )
+    half = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+    result: dict[str, Any] = {}
+    result["tokens"], result["cached"] = one_by_one(llm, prompts())
+    for _ in range(100):  # keep the engine stepping until every store and cascade has landed
+        if not half.scheduler.has_pending_work():
+            break
+        generate(llm, ["pump"], max_tokens=1)
+    result["pending"] = half.scheduler.has_pending_work()
+    result["stats"] = stats_dict(llm)
+    rows = half.scheduler.tier_stats
+    result["cascaded"] = rows[0].cascaded_chunks
+    result["promoted"] = rows[0].promoted_chunks
+    return result
+
+
 def misspelled(model: str, out: Path) -> dict[str, Any]:
     from vllm import LLM
 
@@ -200,6 +211,8 @@ def main() -> None:
         result = connector(model, out_dir, scenario.split("-")[1])
     elif scenario == "multiprocess":
         result = multiprocess(model, out_dir)
+    elif scenario in ("tiers-store", "tiers-reload"):
+        result = tiers(model, out_dir, scenario.split("-")[1])
     elif scenario == "misspelled":
         result = misspelled(model, out_dir)
     else:

@@ -103,11 +103,12 @@ def test_killed_worker_fails_its_jobs_and_the_scheduler_carries_on(tmp_path: Pat
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = Path("/dev/shm") / f"kvoffload_{owned_pool_id('stale-test', int(dead.stdout))}.mmap"
     stale.write_bytes(b"\0" * 4096)
-    before = set(Path("/dev/shm").glob("kvoffload_*")) - {stale}
     cluster.start()
     assert not stale.exists()
-    # Workers answer the handshake once they mapped the pool; its file is unlinked right then.
-    assert set(Path("/dev/shm").glob("kvoffload_*")) == before
+    # Workers answer the handshake once they mapped the pool; its file is unlinked right then. (Only this
+    # cluster's files are checked: other processes on the machine may own kvoffload segments meanwhile.)
+    assert cluster.pool_id is not None
+    assert not [p for p in Path("/dev/shm").glob("kvoffload_*") if cluster.pool_id in p.name]
     assert cluster.handshakes[0].mode == "fast"
     try:
         sched.add_request("a", [bytes([i]) * 32 for i in range(2)], 32)
@@ -132,7 +133,7 @@ def test_killed_worker_fails_its_jobs_and_the_scheduler_carries_on(tmp_path: Pat
     finally:
         cluster.close()
         stale.unlink(missing_ok=True)
-    assert set(Path("/dev/shm").glob("kvoffload_*")) == before, "no shared-memory file is left behind"
+    assert not [p for p in Path("/dev/shm").glob("kvoffload_*") if cluster.pool_id in p.name], "file left behind"
     assert not mp.active_children()
 
 

@@ -11,43 +11,28 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvoffload.tiers.base import SecondaryTier
 from kvoffload.tiers.fs import FsTier
-from kvoffload.tiers.namespace import Namespace, namespace_for
+from kvoffload.tiers.namespace import Namespace
 from kvoffload.tiers.record import HEADER_SIZE
-from tests.helpers import offloading_config
+from tests.tiers import rows as rows_helpers
+from tests.tiers.rows import keys as _keys
+from tests.tiers.rows import store as _store
+from tests.tiers.rows import views as _views
 
 ROW = 8192 + 24  # deliberately not a multiple of the page size
 
 
 def _ns(rank: int = 0, dtype: str = "float16") -> Namespace:
-    return namespace_for(offloading_config(worker_kv_bytes_per_block=ROW, dtype=dtype), rank)
+    return rows_helpers.namespace(ROW, rank, dtype)
 
 
 def _rows(n: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, 256, (n, ROW), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    return rows_helpers.random_rows(n, ROW, seed)
 
 
-def _keys(n: int, salt: int = 0) -> list[bytes]:
-    return [bytes([salt]) * 32 + i.to_bytes(4, "big") for i in range(n)]
-
-
-def _views(rows: torch.Tensor) -> list[memoryview]:
-    return [memoryview(r.numpy()) for r in rows]
-
-
-def _store(tier: FsTier, keys: list[bytes], rows: torch.Tensor, job: int = 1) -> tuple[int, ...]:
-    tier.submit_store(job, keys, _views(rows))
-    assert tier.wait([job], 30)
-    (result,) = tier.get_finished()
-    return result.failed
-
-
-def _load(tier: FsTier, keys: list[bytes], job: int = 2) -> tuple[torch.Tensor, tuple[int, ...]]:
-    out = torch.zeros((len(keys), ROW), dtype=torch.uint8)
-    tier.submit_load(job, keys, _views(out))
-    assert tier.wait([job], 30)
-    (result,) = tier.get_finished()
-    return out, result.failed
+def _load(tier: SecondaryTier, keys: list[bytes], job: int = 2) -> tuple[torch.Tensor, tuple[int, ...]]:
+    return rows_helpers.load(tier, keys, ROW, job)
 
 
 @pytest.mark.parametrize("odirect", [False, True])

@@ -14,7 +14,7 @@ from kvoffload.packed import Int32Bytes, Int64Bytes
 
 SCHEMA_NAME: Final = "kvoffload"
 SCHEMA_VERSION: Final = "1.3"
-SCHEMA_FINGERPRINT: Final = "53235cb984ece836"
+SCHEMA_FINGERPRINT: Final = "ec93d35e874c7daf"
 
 
 class DType(enum.StrEnum):
@@ -114,6 +114,23 @@ class Medium(enum.StrEnum):
 
     CPU = "CPU"
     STORAGE = "STORAGE"
+
+
+class MissReason(enum.StrEnum):
+    """Why a chunk a lookup wanted was not loaded from the offload pool (counted per reason in stats
+    and metrics).
+    """
+
+    NEVER_STORED = "never_stored"
+    EVICTED = "evicted"
+    BELOW_STORE_THRESHOLD = "below_store_threshold"
+    STORE_PENDING = "store_pending"
+    STORE_FAILED = "store_failed"
+    CORRUPT = "corrupt"
+    TIER_UNAVAILABLE = "tier_unavailable"
+    OUTSIDE_WINDOW = "outside_window"
+    LOAD_LIMIT = "load_limit"
+    AFTER_GAP = "after_gap"
 
 
 class LoadMode(enum.StrEnum):
@@ -1011,6 +1028,14 @@ class KVEventBatch(
 
     events: tuple[KVEvent, ...]
     """Events in order."""
+
+    seq: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Batch sequence number per publisher (0, 1, 2, ...): a jump tells a subscriber it missed batches.
+    (since 1.3)
+    """
+
+    engine_id: str = ""
+    """Publishing engine; sequence numbers count per engine. (since 1.3)"""
 
 
 class WorkerFailure(

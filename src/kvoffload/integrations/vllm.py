@@ -23,7 +23,6 @@ This is the only kvoffload module that imports vllm; it needs the ``vllm`` extra
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import itertools
 import logging
@@ -44,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 try:  # request-level receive failures (vLLM 0.32); releases without them only call get_finished
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
@@ -65,7 +64,9 @@ from .._generated import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
     StepPlan,
+    TieringConfig,
     UniformTypeKVCacheSpecs,
+    ValkeyTierConfig,
     VLLMConnectorConfig,
     WorkerReport,
 )
@@ -76,6 +77,8 @@ from ..offload.manager import HostBlockManager
 from ..offload.scheduler import OffloadScheduler, SchedulerStats
 from ..offload.worker import OffloadWorker
 from ..packed import Int64Array
+from ..tiers.cascade import TieredScheduler, TierWorker
+from ..tiers.config import tiering_config_from_extra
 from ..translate import translate_snapshot
 
 if TYPE_CHECKING:
@@ -92,8 +95,10 @@ __all__ = [
     "KVOffloadConnector",
     "KVOffloadConnectorMetadata",
     "KVOffloadConnectorStats",
+    "KVOffloadPromMetrics",
     "KVOffloadWorkerMetadata",
     "parse_connector_config",
+    "parse_tiering_config",
     "snapshot_from_vllm",
 ]
 
@@ -116,7 +121,6 @@ _SPEC_TAGS: dict[str, tuple[str, type[msgspec.Struct]]] = {
 _UNSUPPORTED_KEYS = {
     "spec_module_path": "out-of-tree offloading specs are vLLM's; kvoffload's connector is its own spec",
     "cache_policy_module_path": "register the policy in-process with kvoffload.register_policy instead",
-    "secondary_tiers": "secondary tiers are not available in this version of the connector",
     "self_describing_kv_events": "only vLLM's placeholder KV events are published",
     "sync_load_budget_bytes": "use load_mode='sync' to load every hit inside the step",
 }
@@ -264,16 +268,36 @@ def parse_connector_config(extra: Mapping[str, object]) -> VLLMConnectorConfig:
     for key, why in _UNSUPPORTED_KEYS.items():
         if key in extra:
             raise ConfigError(f"kv_connector_extra_config[{key!r}] is not supported by KVOffloadConnector: {why}")
+    own = {k: v for k, v in extra.items() if k not in _TIER_KEYS}
     try:
-        options = msgspec.convert(dict(extra), VLLMConnectorConfig)
+        options = msgspec.convert(own, VLLMConnectorConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"kv_connector_extra_config: {exc}") from None
-    if options.spec_name not in (None, "CPUOffloadingSpec"):
+    if options.spec_name not in (None, "CPUOffloadingSpec", "TieringOffloadingSpec"):
         raise ConfigError(
-            f"kv_connector_extra_config['spec_name']={options.spec_name!r}: KVOffloadConnector implements only "
-            "'CPUOffloadingSpec' (the host pool)"
+            f"kv_connector_extra_config['spec_name']={options.spec_name!r}: KVOffloadConnector implements "
+            "'CPUOffloadingSpec' (the host pool) and 'TieringOffloadingSpec' (host pool + secondary_tiers)"
         )
     return options
+
+
+_TIER_KEYS = frozenset({"secondary_tiers", "backpressure", "tier_poll_interval_s"})
+
+
+def parse_tiering_config(extra: Mapping[str, object]) -> TieringConfig:
+    """The secondary tiers of ``kv_connector_extra_config`` (vLLM's keys), decoded strictly; empty without any.
+
+    A ``valkey`` tier needs its ``url`` here: the scheduler and every worker are separate vLLM processes that
+    must reach the same server (the embedded server is for single-process use and the demo).
+    """
+    tiering = tiering_config_from_extra(extra)
+    for i, tier in enumerate(tiering.secondary_tiers):
+        if isinstance(tier, ValkeyTierConfig) and not tier.url:
+            raise ConfigError(
+                f"secondary_tiers[{i}] (valkey): 'url' is required with the vLLM connector (valkey://host:port/db, "
+                "unix://path, rediss://...): vLLM's scheduler and workers must reach the same server"
+            )
+    return tiering
 
 
 def _fit_chunk_size(snapshot: EngineSnapshot) -> EngineSnapshot:
@@ -369,19 +393,59 @@ class KVOffloadConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-_INTERVAL_COUNTERS = (
-    "lookup_hits",
-    "lookup_misses",
-    "tokens_loaded",
-    "tokens_stored",
-    "bytes_loaded",
-    "bytes_stored",
-    "load_seconds",
-    "store_seconds",
-    "failed_jobs",
-    "corrupt_loads",
-    "allocation_failures",
-)
+_INTERVAL_COUNTERS: dict[str, str] = {
+    # SchedulerStats field -> metric name (kvoffload.metrics' names, vLLM's where vLLM has one)
+    "lookups": "lookups",
+    "lookup_hits": "lookup_hits",
+    "lookup_misses": "lookup_misses",
+    "tokens_loaded": "load_tokens",
+    "tokens_stored": "store_tokens",
+    "bytes_loaded": "load_bytes",
+    "bytes_stored": "store_bytes",
+    "load_seconds": "load_time",
+    "store_seconds": "store_time",
+    "failed_loads": "failed_loads",
+    "failed_stores": "failed_stores",
+    "corrupt_loads": "corrupted_loads",
+    "allocation_failures": "allocation_failure",
+}
+
+
+class KVOffloadPromMetrics(KVConnectorPromMetrics):
+    """kvoffload's counters in vLLM's own Prometheus registry: ``kvoffload_<name>_total``, per engine label.
+
+    Miss reasons go into ``kvoffload_lookup_misses_by_reason_total{reason=...}``.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._children: dict[str, dict[int, Any]] = {}
+        for metric in _INTERVAL_COUNTERS.values():
+            counter = self._counter_cls(
+                name=f"kvoffload_{metric}", documentation=f"kvoffload {metric.replace('_', ' ')}", labelnames=labelnames
+            )
+            self._children[metric] = {e: counter.labels(*v) for e, v in per_engine_labelvalues.items()}
+        self._by_reason = self._counter_cls(
+            name="kvoffload_lookup_misses_by_reason",
+            documentation="kvoffload lookups that loaded nothing, by the reason of their first miss",
+            labelnames=[*labelnames, "reason"],
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        values = self.per_engine_labelvalues[engine_idx]
+        for name, value in transfer_stats_data.items():
+            if value <= 0:
+                continue
+            if name.startswith("lookup_misses_"):
+                self._by_reason.labels(*values, name.removeprefix("lookup_misses_")).inc(value)
+            elif name in self._children:
+                self._children[name][engine_idx].inc(value)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -402,7 +466,9 @@ class _Tracked:
 class _SchedulerHalf:
     """Drives one OffloadScheduler from vLLM's scheduler-side hooks."""
 
-    def __init__(self, config: OffloadingConfig, options: VLLMConnectorConfig) -> None:
+    def __init__(
+        self, config: OffloadingConfig, options: VLLMConnectorConfig, tiering: TieringConfig | None = None
+    ) -> None:
         pool = plan_host_pool_from_config(config)
         manager = HostBlockManager(
             pool.num_chunks,
@@ -411,15 +477,25 @@ class _SchedulerHalf:
             store_threshold=options.store_threshold,
             max_tracker_size=options.max_tracker_size,
         )
-        self.scheduler = OffloadScheduler(
-            config, manager, offload_prompt_only=options.offload_prompt_only, null_block_id=_NULL_BLOCK_ID
-        )
+        self.scheduler: OffloadScheduler
+        if tiering is not None and tiering.secondary_tiers:
+            self.scheduler = TieredScheduler(
+                config,
+                manager,
+                tiering,
+                offload_prompt_only=options.offload_prompt_only,
+                null_block_id=_NULL_BLOCK_ID,
+            )
+        else:
+            self.scheduler = OffloadScheduler(
+                config, manager, offload_prompt_only=options.offload_prompt_only, null_block_id=_NULL_BLOCK_ID
+            )
         self.async_loads = options.load_mode is LoadMode.ASYNC
         self._group_ids = [g.group_id for g in config.groups]
         self._live: dict[str, Request] = {}  # every unfinished request vLLM told us about
         self._tracked: dict[str, _Tracked] = {}  # those registered with the scheduler (not while preempted)
         self._generation = itertools.count()
-        self._reported: dict[str, float] = dict.fromkeys(_INTERVAL_COUNTERS, 0)
+        self._reported: dict[str, float] = {}
         self.preemptions = 0
         logger.info(
             "kvoffload: host pool of %d chunks x %d bytes (%d GPU blocks per chunk, %s, %s loads)",
@@ -542,14 +618,21 @@ class _SchedulerHalf:
             reports = [wire.decode([frame]).expect(WorkerReport) for frame in meta.reports]
             self.scheduler.on_worker_reports(reports)
 
+    def close(self) -> None:
+        if isinstance(self.scheduler, TieredScheduler):
+            self.scheduler.close()
+
     def interval_stats(self) -> KVOffloadConnectorStats:
-        """Counter increases since the previous call (what vLLM aggregates and logs)."""
-        now = dataclasses.asdict(self.scheduler.stats())
+        """Counter increases since the previous call (what vLLM aggregates, logs and exports)."""
+        stats = self.scheduler.stats()
+        now: dict[str, float] = {metric: getattr(stats, field) for field, metric in _INTERVAL_COUNTERS.items()}
+        for reason, count in stats.lookup_miss_reasons.items():
+            now[f"lookup_misses_{reason.value}"] = count
         delta: dict[str, Any] = {}
-        for name in _INTERVAL_COUNTERS:
-            value = now[name]
-            if value != self._reported[name]:
-                delta[name] = value - self._reported[name]
+        for name, value in now.items():
+            previous = self._reported.get(name, 0)
+            if value != previous:
+                delta[name] = value - previous
                 self._reported[name] = value
         return KVOffloadConnectorStats(data=delta)
 
@@ -610,6 +693,7 @@ class _WorkerHalf:
     sync_loads: bool
     multi_group: bool
     checksums: bool
+    tiering: TieringConfig | None = None
     worker: OffloadWorker | None = None
     pool: HostPool | None = None
     plan: StepPlan | None = None
@@ -636,7 +720,10 @@ class _WorkerHalf:
                     )
         self.pool = HostPool(plan_host_pool_from_config(self.config))
         engine = CopyEngine(flat, layout, self.pool, checksums=self.checksums)
-        self.worker = OffloadWorker(engine, rank=self.config.parallel.rank)
+        tiers = None
+        if self.tiering is not None and self.tiering.secondary_tiers:
+            tiers = TierWorker(self.tiering, self.config, self.pool, checksums=self.checksums)
+        self.worker = OffloadWorker(engine, rank=self.config.parallel.rank, tiers=tiers)
 
     def _worker(self) -> OffloadWorker:
         if self.worker is None:
@@ -669,7 +756,7 @@ class _WorkerHalf:
         if self.worker is None or self.plan is None:
             return results
         report = self.worker.report(self.plan.step)
-        if report.results:
+        if report.results or report.tier_results:
             self.reports.append(bytes(wire.encode(report)[0]))
         for result in report.results:
             if result.is_store:
@@ -740,7 +827,9 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: VllmKVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        options = parse_connector_config(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        options = parse_connector_config(extra)
+        tiering = parse_tiering_config(extra)
         self.snapshot = _fit_chunk_size(snapshot_from_vllm(vllm_config, kv_cache_config))
         self.offloading_config = translate_snapshot(self.snapshot)
         self.options = options
@@ -752,7 +841,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: _SchedulerHalf | None = None
         self._worker: _WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _SchedulerHalf(self.offloading_config, options)
+            self._scheduler = _SchedulerHalf(self.offloading_config, options, tiering)
             if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
                 logger.warning(
                     "kvoffload: kv_load_failure_policy=%r makes vLLM fail a request whose host load fails (e.g. a "
@@ -766,6 +855,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 sync_loads=options.load_mode is LoadMode.SYNC,
                 multi_group=len(kv_cache_config.kv_cache_groups) > 1,
                 checksums=options.checksums,
+                tiering=tiering,
             )
 
     @property
@@ -826,6 +916,20 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVOffloadConnectorStats(data=dict(data or {}))
 
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[Any], type[Any]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def has_pending_push_work(self) -> bool:
+        """Stores, cascades or promotions still in flight: the engine keeps stepping until they are done."""
+        return self._scheduler is not None and self._scheduler.scheduler.has_pending_work()
+
     def reset_cache(self) -> bool:
         self._sched().scheduler.reset()
         return True
@@ -871,3 +975,5 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()

@@ -17,6 +17,7 @@ from collections.abc import Collection, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
+from kvoffload._generated import MissReason
 from kvoffload.errors import ConfigError, InvalidStateError
 from kvoffload.offload.policy import CachePolicy, make_policy
 
@@ -125,6 +126,7 @@ class HostBlockManager:
         "_cid",
         "_counts",
         "_dead",
+        "_departed",
         "_dropped_total",
         "_events",
         "_evictable",
@@ -132,6 +134,7 @@ class HostBlockManager:
         "_free",
         "_hits",
         "_load_pins",
+        "_max_departures",
         "_max_tracker_size",
         "_misses",
         "_next_fresh",
@@ -154,8 +157,12 @@ class HostBlockManager:
         enable_events: bool = False,
         store_threshold: int = 0,
         max_tracker_size: int = 64_000,
+        max_departures: int = 65_536,
     ) -> None:
-        """Create an empty manager; invalid arguments raise :class:`ConfigError` naming field and value."""
+        """Create an empty manager; invalid arguments raise :class:`ConfigError` naming field and value.
+
+        ``max_departures`` bounds the memory of why keys left the pool (see :meth:`miss_reason`).
+        """
         self._num_chunks = _check_int("num_chunks", num_chunks, 0)
         self._store_threshold = _check_int("store_threshold", store_threshold, 0)
         self._max_tracker_size = _check_int("max_tracker_size", max_tracker_size, 1)
@@ -184,6 +191,9 @@ class HostBlockManager:
         self._load_pins = 0
         self._dead: set[bytes] = set()  # pinned keys dropped as corrupt: freed at their last unpin
         self._dropped_total = 0
+        # Observability: why a key left (bounded, oldest forgotten first), so a later miss can say so.
+        self._max_departures = _check_int("max_departures", max_departures, 1)
+        self._departed: OrderedDict[bytes, MissReason] = OrderedDict()
 
     # ------------------------------------------------------------------ introspection
 
@@ -400,6 +410,7 @@ class HostBlockManager:
                 del cid[key]
                 free.append(chunk_id)
                 evicted_keys.append(key)
+            self._remember(evicted_keys, MissReason.EVICTED)
             self._evictable -= len(evicted)
             self._evicted_total += len(evicted)
             if self._events is not None:
@@ -449,6 +460,8 @@ class HostBlockManager:
                     policy.remove(key)
                     free.append(cid.pop(key))
                     changed.append(key)
+            if changed:
+                self._remember(changed, MissReason.STORE_FAILED)
         self._write_pending -= len(changed)
         if changed and self._events is not None:
             self._events.append(OffloadEvent(tuple(changed), not success, metadata_only=not success))
@@ -459,8 +472,9 @@ class HostBlockManager:
         self._policy.remove(key)
         self._free.append(self._cid.pop(key))
 
-    def drop(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Remove stored keys whose chunks were found corrupt, so they are never served again.
+    def drop(self, keys: Sequence[bytes], reason: MissReason = MissReason.CORRUPT) -> list[bytes]:
+        """Remove stored keys whose chunks were found corrupt (or unusable for ``reason``), so they are never
+        served again; the reason is remembered for :meth:`miss_reason`.
 
         A ready, unpinned key is freed now; a key pinned by loads turns dead at once (lookups MISS,
         ``prepare_load`` refuses it, offers skip it) and its chunk is freed when its last pin is released.
@@ -479,6 +493,8 @@ class HostBlockManager:
                 self._dead.add(key)
             dropped.append(key)
         self._dropped_total += len(dropped)
+        if dropped:
+            self._remember(dropped, reason)
         if dropped and self._events is not None:
             self._events.append(OffloadEvent(tuple(dropped), True))
         return dropped
@@ -538,6 +554,60 @@ class HostBlockManager:
         self._write_pending = 0
         self._store_misses.clear()
         self._dead.clear()
+
+    # ------------------------------------------------------------------ miss explanations (observability)
+
+    def _remember(self, keys: Sequence[bytes], reason: MissReason) -> None:
+        """Record why ``keys`` left the pool (or are unavailable), forgetting the oldest beyond the bound."""
+        departed = self._departed
+        for key in keys:
+            departed[key] = reason
+            departed.move_to_end(key)
+        while len(departed) > self._max_departures:
+            departed.popitem(last=False)
+
+    def miss_reason(self, key: bytes) -> MissReason | None:
+        """Why ``key`` is not loadable now, or ``None`` when it is stored and ready (no statistics change).
+
+        A pending write answers STORE_PENDING; a dropped key (absent, or dead until its last unpin) answers the
+        remembered reason it left (evicted, store failed, corrupt, or whatever :meth:`remove` was told); else
+        BELOW_STORE_THRESHOLD when it was offered fewer than ``store_threshold`` times, else NEVER_STORED. The
+        memory is bounded by ``max_departures`` (oldest forgotten first) and survives :meth:`reset`.
+        """
+        ref = self._ref.get(key)
+        if ref is not None:
+            if ref < 0:
+                return MissReason.STORE_PENDING
+            if key not in self._dead:
+                return None
+        reason = self._departed.get(key)
+        if reason is not None:
+            return reason
+        if ref is not None:
+            return MissReason.CORRUPT  # dead, its reason forgotten: only corrupt chunks turn dead on their own
+        counts = self._counts
+        if counts is not None and 0 < counts.get(key, 0) < self._store_threshold:
+            return MissReason.BELOW_STORE_THRESHOLD
+        return MissReason.NEVER_STORED
+
+    def remove(self, keys: Sequence[bytes], reason: MissReason) -> list[bytes]:
+        """Drop ``keys`` from the pool for ``reason`` (CORRUPT after a checksum failure, TIER_UNAVAILABLE, ...)
+        and remember it, so later misses on them are explained; returns the resident keys dropped.
+
+        Resident keys go as with :meth:`drop` (a pinned one turns dead at once and is freed at its last unpin);
+        an absent key only has its reason remembered. A key whose store is in flight cannot be removed (fail its
+        store instead): :class:`InvalidStateError` names it and nothing changes.
+        """
+        if not isinstance(reason, MissReason):
+            raise ConfigError(f"reason must be a MissReason, got {reason!r}")
+        ref = self._ref
+        for key in keys:
+            if ref.get(key, 0) < 0:
+                raise InvalidStateError(f"cannot remove key {key!r}: its store is in flight (fail the store instead)")
+        absent = [key for key in dict.fromkeys(keys) if key not in ref]
+        if absent:
+            self._remember(absent, reason)
+        return self.drop([key for key in keys if key in ref], reason)
 
     def stats(self) -> ManagerStats:
         """Return usage gauges and counters; allocation sizes and skipped stores restart from zero."""

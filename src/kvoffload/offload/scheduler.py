@@ -26,7 +26,7 @@ manager, so they are never served again (``SchedulerStats.corrupt_loads`` / ``co
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .._generated import (
@@ -34,6 +34,7 @@ from .._generated import (
     BlockStored,
     KVEvent,
     Medium,
+    MissReason,
     OffloadingConfig,
     StepPlan,
     TransferJob,
@@ -45,6 +46,7 @@ from .integrity import key_tags
 from .keys import chunk_keys, hashes_per_chunk, offload_key_group, offload_key_hash
 from .lookup import maximal_prefix_lookup, sliding_window_lookup
 from .manager import HostBlockManager
+from .misses import ChunkMiss, GroupKeys, explain_lookup, primary_reason
 
 __all__ = ["OffloadScheduler", "ReportOutcome", "SchedulerStats"]
 
@@ -97,6 +99,7 @@ class _Request:
     reused_keys: set[bytes] = field(default_factory=set)
     # keys the request loaded, stored or found stored when offering -> (end-token position, group id)
     accessed: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+    misses: tuple[ChunkMiss, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +135,15 @@ class SchedulerStats:
     """Load jobs failed because a worker found a host chunk corrupt (integrity); the request recomputes."""
     corrupted_chunks: int = 0
     """Keys dropped from the manager because their host chunk did not verify."""
+    # -- observability (issue 13)
+    lookup_miss_reasons: Mapping[MissReason, int] = field(default_factory=dict)
+    """Lookups that loaded nothing (or were deferred by a pending store), by the reason of their first miss."""
+    chunk_miss_reasons: Mapping[MissReason, int] = field(default_factory=dict)
+    """Wanted chunks that lookups did not load, by reason (a chunk counts once per lookup)."""
+    chunks_removed: Mapping[MissReason, int] = field(default_factory=dict)
+    """Chunks dropped as corrupt by load reports (integrity) or through :meth:`OffloadScheduler.forget_chunk`."""
+    failed_loads: int = 0
+    failed_stores: int = 0
 
 
 def _opt_limit(name: str, value: int | None) -> int | None:
@@ -212,6 +224,10 @@ class OffloadScheduler:
             0,
         )
         self._seconds = {"load": 0.0, "store": 0.0}
+        self._lookup_misses: dict[MissReason, int] = {}
+        self._chunk_misses: dict[MissReason, int] = {}
+        self._removed: dict[MissReason, int] = {}
+        self._failed = {"load": 0, "store": 0}
 
     # ------------------------------------------------------------------------------------------ requests
 
@@ -283,6 +299,7 @@ class OffloadScheduler:
         req = self._request(req_id)
         self._counters["lookups"] += 1
         self._release_pins(req)
+        req.misses = ()
         if req.jobs:
             self._counters["lookups_deferred"] += 1
             return None
@@ -292,9 +309,11 @@ class OffloadScheduler:
         hit = self._lookup_groups(req, num_computed_tokens, max_hit)
         if hit is None:
             self._counters["lookups_deferred"] += 1
+            self._explain(req, num_computed_tokens, num_computed_tokens, pending_only=True)
             return None
         if hit <= 0:
             self._counters["lookup_misses"] += 1
+            self._explain(req, num_computed_tokens, num_computed_tokens)
             return 0
         max_hit = num_computed_tokens + hit
         keys = self._hit_keys(req, num_computed_tokens, max_hit)
@@ -308,7 +327,51 @@ class OffloadScheduler:
         req.pinned = keys
         req.hit_start, req.hit_end = num_computed_tokens, max_hit
         self._counters["lookup_hits"] += 1
+        self._explain(req, num_computed_tokens, max_hit)
         return max_hit - num_computed_tokens
+
+    def _explain(self, req: _Request, num_computed: int, hit_end: int, *, pending_only: bool = False) -> None:
+        """Record why the wanted chunks outside ``[num_computed, hit_end)`` were not loaded (stats + per request)."""
+        groups = [GroupKeys(g.group_id, g.tokens_per_chunk, g.window_chunks, req.keys[g.index]) for g in self._groups]
+        misses = explain_lookup(
+            self.manager,
+            groups,
+            num_computed=num_computed,
+            num_tokens=req.num_tokens,
+            hit_end=hit_end,
+            max_load_tokens=req.max_load_tokens,
+        )
+        if pending_only:
+            misses = [m for m in misses if m.reason is MissReason.STORE_PENDING]
+        req.misses = tuple(misses)
+        counts = self._chunk_misses
+        for miss in misses:
+            counts[miss.reason] = counts.get(miss.reason, 0) + 1
+        if hit_end <= num_computed and (misses or not pending_only):
+            reason = MissReason.STORE_PENDING if pending_only else primary_reason(misses)
+            self._lookup_misses[reason] = self._lookup_misses.get(reason, 0) + 1
+
+    def lookup_misses(self, req_id: str) -> tuple[ChunkMiss, ...]:
+        """The chunks the request's last lookup wanted but did not load, each with its :class:`MissReason`.
+
+        Empty before the first lookup, after a full hit, and for a lookup deferred for another reason than a
+        pending store (the request has a job in flight, or another request is loading the chunks).
+        """
+        return self._request(req_id).misses
+
+    def forget_chunk(self, key: bytes, reason: MissReason) -> bool:
+        """Drop one chunk from the pool for ``reason`` and remember it, so later misses on it say why.
+
+        The hook for features that find a chunk unusable: a tier that cannot serve it
+        (``MissReason.TIER_UNAVAILABLE``), or a checksum mismatch found elsewhere than in a load report
+        (``MissReason.CORRUPT``; corrupt chunks named by worker reports are dropped already). Returns True when
+        the chunk was resident and is dropped (a chunk pinned by loads is never served again and is freed at
+        its last unpin); an absent one only has its reason remembered. A chunk whose store is in flight raises
+        :class:`InvalidStateError`.
+        """
+        dropped = bool(self.manager.remove([key], reason))
+        self._removed[reason] = self._removed.get(reason, 0) + 1
+        return dropped
 
     def _lookup_groups(self, req: _Request, num_computed: int, max_hit: int) -> int | None:
         """Tokens beyond ``num_computed`` that every group can load, or None to defer (vLLM's ``_lookup``).
@@ -627,7 +690,10 @@ class OffloadScheduler:
         if job.stale:
             return  # reset since: the ids may name chunks of the new generation
         keys = [job.chunk_keys[c] for c in chunk_ids if c in job.chunk_keys]
-        self._counters["corrupted_chunks"] += len(self.manager.drop(keys))
+        dropped = len(self.manager.drop(keys, MissReason.CORRUPT))
+        self._counters["corrupted_chunks"] += dropped
+        if dropped:
+            self._removed[MissReason.CORRUPT] = self._removed.get(MissReason.CORRUPT, 0) + dropped
 
     def fail_jobs(self, job_ids: Iterable[int]) -> ReportOutcome:
         """Fail jobs outright (e.g. a worker died before reporting them): pins released, data never ready."""
@@ -656,6 +722,7 @@ class OffloadScheduler:
                 self.manager.complete_store(job.keys, success=not job.failed)
             if job.failed:
                 self._counters["failed_jobs"] += 1
+                self._failed["store"] += 1
                 failed_stores.append(job.req_id)
             elif not job.stale:
                 self._counters["tokens_stored"] += job.num_tokens
@@ -663,6 +730,7 @@ class OffloadScheduler:
             self._release_load(job)
             if job.failed:
                 self._counters["failed_jobs"] += 1
+                self._failed["load"] += 1
                 failed_loads.append(job.req_id)
             else:
                 self._counters["tokens_loaded"] += job.num_tokens
@@ -760,6 +828,11 @@ class OffloadScheduler:
             jobs_in_flight=len(self._jobs),
             corrupt_loads=c["corrupt_loads"],
             corrupted_chunks=c["corrupted_chunks"],
+            lookup_miss_reasons=dict(self._lookup_misses),
+            chunk_miss_reasons=dict(self._chunk_misses),
+            chunks_removed=dict(self._removed),
+            failed_loads=self._failed["load"],
+            failed_stores=self._failed["store"],
         )
 
     def take_events(self) -> list[KVEvent]:

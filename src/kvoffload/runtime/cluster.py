@@ -112,6 +112,7 @@ class WorkerCluster:
         torch_threads: int | None = None,
         checksums: bool = True,
         tiering: TieringConfig | None = None,
+        metrics_dir: str | None = None,
     ) -> None:
         for name, value in (
             ("step_timeout_s", step_timeout_s),
@@ -131,6 +132,8 @@ class WorkerCluster:
         self.start_timeout_s = float(start_timeout_s)
         self.worker_timeout_s = float(worker_timeout_s)
         self.shared_pool = shared_pool
+        # Workers record transfer metrics in prometheus_client's multiprocess mode under this directory.
+        self.metrics_dir = metrics_dir
         threads = torch_threads or max(1, (os.cpu_count() or 1) // self.world_size)
         # The name carries this process's pid: if it is SIGKILLed, a later start sweeps the file away.
         pool_id = owned_pool_id(f"{self.engine_id}-{uuid.uuid4().hex[:12]}") if shared_pool else None
@@ -150,6 +153,7 @@ class WorkerCluster:
                 heartbeat_interval_s=min(2.0, max(0.01, self.worker_timeout_s / 5)),
                 checksums=checksums,
                 tiering_json=None if tiering is None else msgspec.json.encode(tiering).decode(),
+                metrics_dir=metrics_dir,
             )
             for rank in range(self.world_size)
         ]
@@ -162,6 +166,11 @@ class WorkerCluster:
         self.handshakes: dict[int, wire.HandshakeResult] = {}
 
     # ------------------------------------------------------------------------------------------- startup
+
+    @property
+    def pool_id(self) -> str | None:
+        """Name of the shared host pool's segment files (``kvoffload_{pool_id}...``), None for private pools."""
+        return self._pool_id
 
     def start(self) -> None:
         """Check, spawn every worker and complete the Hello handshake with each (WorkerError if one fails).
@@ -179,18 +188,23 @@ class WorkerCluster:
         sweep_stale_pools()
         ctx = mp.get_context("spawn")
         try:
-            for spec in self._specs:
-                parent, child = ctx.Pipe(duplex=True)
-                proc = ctx.Process(
-                    target=run_worker,
-                    args=(child, msgspec.json.encode(spec)),
-                    name=f"kvoffload-worker-{spec.rank}",
-                    daemon=True,
-                )
-                _start_ignoring_sigint(proc)
-                child.close()
-                self._procs[spec.rank] = proc
-                self._channels[spec.rank] = Channel(parent)
+            with contextlib.ExitStack() as env:
+                if self.metrics_dir is not None:
+                    from ..metrics import multiprocess_env
+
+                    env.enter_context(multiprocess_env(self.metrics_dir))  # inherited by the spawned workers
+                for spec in self._specs:
+                    parent, child = ctx.Pipe(duplex=True)
+                    proc = ctx.Process(
+                        target=run_worker,
+                        args=(child, msgspec.json.encode(spec)),
+                        name=f"kvoffload-worker-{spec.rank}",
+                        daemon=True,
+                    )
+                    _start_ignoring_sigint(proc)
+                    child.close()
+                    self._procs[spec.rank] = proc
+                    self._channels[spec.rank] = Channel(parent)
             local = wire.make_hello(PeerRole.SCHEDULER, 0, self.world_size, self.engine_id)
             for channel in self._channels.values():
                 channel.send(local)
@@ -207,6 +221,13 @@ class WorkerCluster:
         # Every worker replied after mapping the shared pool: its name is no longer needed, and removing it
         # now means no file is left behind whatever happens to the processes later.
         self._unlink_pool()
+
+    def _forget_metrics(self, proc: BaseProcess) -> None:
+        """Tell the multiprocess metrics that an exited worker's live gauges are gone."""
+        if self.metrics_dir is not None and proc.pid is not None and not proc.is_alive():
+            from ..metrics import mark_worker_dead
+
+            mark_worker_dead(proc.pid, self.metrics_dir)
 
     def _unlink_pool(self) -> None:
         if self._pool_id is not None:
@@ -310,6 +331,7 @@ class WorkerCluster:
         if proc.is_alive():
             proc.kill()
         proc.join(5.0)
+        self._forget_metrics(proc)
 
     def kill_worker(self, rank: int) -> None:
         """Kill a worker process abruptly (fault-injection for tests and drills)."""
@@ -347,6 +369,7 @@ class WorkerCluster:
             if proc.is_alive():
                 proc.kill()
                 proc.join(5.0)
+            self._forget_metrics(proc)
             self._channels[rank].close()
         self._procs.clear()
         self._channels.clear()

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -45,7 +46,7 @@ from .._generated import (
     WorkerReport,
     codecs,
 )
-from ..errors import WireError, WorkerError
+from ..errors import ConfigError, WireError, WorkerError
 from ..offload.copy import CopyEngine, TransferLayout, transfer_layout_from_config
 from ..offload.host_pool import HostPool, plan_host_pool_from_config
 from ..offload.worker import OffloadWorker
@@ -53,6 +54,9 @@ from ..packed import Int64Array
 from ..translate import translate_snapshot
 from .channel import Channel
 from .sim_engine import fill_blocks, verify_blocks
+
+if TYPE_CHECKING:
+    from ..metrics import WorkerMetrics
 
 __all__ = ["WorkerSpec", "rank_config", "run_worker"]
 
@@ -76,6 +80,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     checksums: bool = True
     """Content checksums of host chunks (integrity); key tags are verified either way."""
     tiering_json: str | None = None  # a TieringConfig (JSON, urls resolved): this worker runs tier jobs
+    metrics_dir: str | None = None
 
 
 def rank_config(snapshot: EngineSnapshot, rank: int) -> tuple[EngineSnapshot, OffloadingConfig]:
@@ -98,6 +103,7 @@ class _Session:
     pool: HostPool
     worker: OffloadWorker
     last_step: int = 0
+    metrics: WorkerMetrics | None = None
 
     def step(self, plan: StepPlan, attachments: tuple[memoryview, ...]) -> tuple[WorkerReport, list[bytes]]:
         fill: list[tuple[int, int, int]] = []
@@ -113,6 +119,8 @@ class _Session:
         self.worker.start_step(plan)
         self.worker.wait_for_loads(plan, self.spec.load_timeout_s)
         report = self.worker.report(plan.step)
+        if self.metrics is not None:
+            self.metrics.record(report)
         extras: list[bytes] = []
         if self.spec.simulate:
             loaded = {r.job_id for r in report.results if not r.is_store and r.success}
@@ -125,6 +133,8 @@ class _Session:
 
     def finish(self) -> tuple[WorkerReport, list[bytes]]:
         report = self.worker.drain(self.last_step, self.spec.load_timeout_s)
+        if self.metrics is not None:
+            self.metrics.record(report)
         return report, [_F64.pack(_memcpy_gbps(self.spec.memcpy_probe_bytes))]
 
     def close(self) -> None:
@@ -164,8 +174,30 @@ def _open_session(spec: WorkerSpec) -> _Session:
     except BaseException:
         pool.close()
         raise
-    worker = OffloadWorker(engine, rank=spec.rank, tiers=tiers)
-    return _Session(spec=spec, kv=kv, layout=layout, pool=pool, worker=worker)
+    return _Session(
+        spec=spec,
+        kv=kv,
+        layout=layout,
+        pool=pool,
+        worker=OffloadWorker(engine, rank=spec.rank, tiers=tiers),
+        metrics=_worker_metrics(spec),
+    )
+
+
+def _worker_metrics(spec: WorkerSpec) -> WorkerMetrics | None:
+    """Transfer metrics in prometheus_client's multiprocess mode, when the scheduler asked for them."""
+    if spec.metrics_dir is None:
+        return None
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR") != spec.metrics_dir:
+        raise ConfigError(
+            f"worker {spec.rank}: metrics_dir={spec.metrics_dir!r} but PROMETHEUS_MULTIPROC_DIR is "
+            f"{os.environ.get('PROMETHEUS_MULTIPROC_DIR')!r} (spawn workers inside metrics.multiprocess_env)"
+        )
+    from prometheus_client import CollectorRegistry
+
+    from ..metrics import WorkerMetrics
+
+    return WorkerMetrics(CollectorRegistry(), max_samples=0)
 
 
 class _Heartbeat:
