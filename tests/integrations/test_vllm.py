@@ -32,8 +32,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def _run(scenario: str, model: Path, out: Path, *, multiprocess: bool = False, timeout: float = 600) -> dict[str, Any]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING")
+def _run(
+    scenario: str, model: Path, out: Path, *, multiprocess: bool = False, timeout: float = 600, **env_extra: str
+) -> dict[str, Any]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING", **env_extra)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
     proc = subprocess.run(
         [sys.executable, str(SCENARIOS), scenario, str(model), str(out)],
@@ -128,6 +130,29 @@ def test_multiprocess_engine_serves_prefix_from_host(
     assert run["first_tokens"] == baseline["tokens"]
     assert run["reset_tokens"] == baseline["tokens"]
     assert all(c > 0 for c in run["reset_cached"]), run["reset_cached"]
+
+
+def test_tensor_parallel_workers_each_offload_their_shard(
+    baseline: dict[str, Any], tiny_model: Path, tmp_path: Path
+) -> None:
+    # TP 2 on the CPU backend: two worker processes, each with its own host pool and its half of the KV heads.
+    run = _run("tp2", tiny_model, tmp_path, multiprocess=True, VLLM_CPU_OMP_THREADS_BIND="0|1")
+    assert run["reset_tokens"] == run["first_tokens"]
+    assert all(c > 0 for c in run["reset_cached"]), run["reset_cached"]
+
+
+def test_sliding_window_model_reloads_its_window_from_host(
+    tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    from kvoffload.integrations.tiny_model import build_tiny_llama
+
+    model = build_tiny_llama(tmp_path_factory.mktemp("tiny-swa"), sliding_window=96)
+    run = _run("sliding-window", model, tmp_path)
+    assert run["spec_types"] == ["SlidingWindowSpec"]
+    assert run["window_chunks"] == [3]  # a 96-token window in 32-token chunks
+    assert run["reset_tokens"] == run["first_tokens"]
+    assert all(c > 0 for c in run["reset_cached"]), run["reset_cached"]
+    assert run["stats"]["tokens_loaded"] > 0 and run["stats"]["failed_jobs"] == 0
 
 
 def test_misspelled_extra_config_key_fails_engine_start(tiny_model: Path, tmp_path: Path) -> None:

@@ -148,10 +148,12 @@ def connector(model: str, out: Path, load_mode: str) -> dict[str, Any]:
     return result
 
 
-def multiprocess(model: str, out: Path) -> dict[str, Any]:
+def multiprocess(model: str, out: Path, tensor_parallel_size: int = 1) -> dict[str, Any]:
     from vllm import LLM
 
-    llm = LLM(model=model, kv_transfer_config=connector_config({}), **ENGINE_KW)
+    llm = LLM(
+        model=model, kv_transfer_config=connector_config({}), tensor_parallel_size=tensor_parallel_size, **ENGINE_KW
+    )
     result: dict[str, Any] = {}
     result["first_tokens"], result["first_cached"] = one_by_one(llm, prompts())
     llm.reset_prefix_cache()
@@ -187,6 +189,23 @@ def tiers(model: str, out: Path, phase: str) -> dict[str, Any]:
     return result
 
 
+def sliding_window(model: str, out: Path) -> dict[str, Any]:
+    """A sliding-window model: the host serves the chunks of the window the request needs."""
+    from vllm import LLM
+
+    llm = LLM(model=model, distributed_executor_backend="uni", kv_transfer_config=connector_config({}), **ENGINE_KW)
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    result: dict[str, Any] = {
+        "spec_types": [type(g.kv_cache_spec).__name__ for g in connector.snapshot.kv_cache_config.kv_cache_groups],
+        "window_chunks": [g.sliding_window_size_in_chunks for g in connector.offloading_config.groups],
+    }
+    result["first_tokens"], result["first_cached"] = one_by_one(llm, prompts())
+    llm.reset_prefix_cache()
+    result["reset_tokens"], result["reset_cached"] = one_by_one(llm, prompts())
+    result["stats"] = stats_dict(llm)
+    return result
+
+
 def misspelled(model: str, out: Path) -> dict[str, Any]:
     from vllm import LLM
 
@@ -211,8 +230,12 @@ def main() -> None:
         result = connector(model, out_dir, scenario.split("-")[1])
     elif scenario == "multiprocess":
         result = multiprocess(model, out_dir)
+    elif scenario == "tp2":
+        result = multiprocess(model, out_dir, tensor_parallel_size=2)
     elif scenario in ("tiers-store", "tiers-reload"):
         result = tiers(model, out_dir, scenario.split("-")[1])
+    elif scenario == "sliding-window":
+        result = sliding_window(model, out_dir)
     elif scenario == "misspelled":
         result = misspelled(model, out_dir)
     else:

@@ -87,15 +87,17 @@ def build_tiny_llama(
     max_position_embeddings: int = 4096,
     seed: int = 0,
     weight_std: float = 0.08,
+    sliding_window: int | None = None,
 ) -> Path:
     """Write a random-weight Llama model and a byte-level BPE tokenizer to ``path``; return the path.
 
     Weights are drawn from ``normal(0, weight_std)`` with a fixed seed (larger than the usual init so that
-    greedy decoding is not flat). ``head_dim = hidden_size // num_heads``.
+    greedy decoding is not flat). ``head_dim = hidden_size // num_heads``. With ``sliding_window`` the model is a
+    Mistral (Llama with sliding-window attention over that many tokens).
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -112,7 +114,11 @@ def build_tiny_llama(
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.save_pretrained(out)
 
-    config = LlamaConfig(
+    config_cls, model_cls = (
+        (LlamaConfig, LlamaForCausalLM) if sliding_window is None else (MistralConfig, MistralForCausalLM)
+    )
+    extra = {} if sliding_window is None else {"sliding_window": sliding_window}
+    config = config_cls(
         vocab_size=tok.get_vocab_size(),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size or 2 * hidden_size,
@@ -125,9 +131,10 @@ def build_tiny_llama(
         pad_token_id=fast.pad_token_id,
         tie_word_embeddings=False,
         torch_dtype="float32",
+        **extra,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = model_cls(config)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() == 2:
