@@ -65,7 +65,7 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
             "kv_connector_module_path": "kvoffload.integrations.vllm",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": args.host_mib << 20},
+            "kv_connector_extra_config": {"cpu_bytes_to_use": args.host_mib << 20, "load_mode": args.load_mode},
         }
     llm = LLM(**kw)
     params = SamplingParams(max_tokens=1, temperature=0.0)
@@ -101,6 +101,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--engine-kv-mib", type=int, default=72, help="engine KV cache: too small for all histories")
     parser.add_argument("--host-mib", type=int, default=2048)
+    parser.add_argument("--load-mode", choices=["async", "sync"], default="async", help="the connector's load_mode")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--child", choices=["with", "without"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)

@@ -10,7 +10,7 @@ import torch
 import kvoffload
 from kvoffload import wire
 from kvoffload.demo import default_snapshot
-from kvoffload.offload.copy_engine import CopyEngine, transfer_layout_from_config
+from kvoffload.offload.copy import CopyEngine, transfer_layout_from_config
 from kvoffload.offload.host_pool import HostPool, plan_host_pool_from_config
 from kvoffload.offload.worker import OffloadWorker
 

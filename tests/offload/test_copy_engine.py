@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.errors import ConfigError, InvalidStateError, TransferError
-from kvoffload.offload import copy_engine
-from kvoffload.offload.copy_engine import (
+from kvoffload.offload import copy as kvcopy
+from kvoffload.offload.copy import (
     CopyEngine,
     CopyRuns,
     IdsLike,
@@ -26,6 +26,8 @@ from kvoffload.offload.copy_engine import (
     TransferLayout,
     build_copy_runs,
     build_transfer_layout,
+    cpu,
+    cuda,
 )
 from kvoffload.offload.host_pool import HostPool, plan_host_pool
 from tests.helpers import offloading_config
@@ -253,7 +255,7 @@ def test_transfer_layout_from_config() -> None:
         kv_cache_groups=(KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec),),
     )
     config = offloading_config([(0, 16, names, None)], worker_kv_bytes_per_block=2 * page)
-    layout = copy_engine.transfer_layout_from_config(kv_cache_config, config)
+    layout = kvcopy.transfer_layout_from_config(kv_cache_config, config)
     assert [(x.name, x.page_bytes, x.engine_offset, x.host_offset) for x in layout.groups[0].layers] == [
         ("layers.0", page, 0, 0),
         ("layers.1", page, 10 * page, page),
@@ -396,28 +398,28 @@ def test_runs_match_the_per_byte_reference(
 
 
 def _run_memmove(kv: torch.Tensor, host: torch.Tensor, runs: CopyRuns, is_store: bool) -> None:
-    for work in copy_engine._cpu_work(runs, is_store, kv.data_ptr(), host.data_ptr(), parts=2):
-        copy_engine._memmove_runs(*work)
+    for work in cpu._cpu_work(runs, is_store, kv.data_ptr(), host.data_ptr(), parts=2):
+        cpu._memmove_runs(*work)
 
 
 def _run_indexed(kv: torch.Tensor, host: torch.Tensor, runs: CopyRuns, is_store: bool) -> None:
-    copy_engine._indexed_transfer(kv, host, runs, is_store)
+    cuda._indexed_transfer(kv, host, runs, is_store)
 
 
 def test_element_index() -> None:
-    index = copy_engine._element_index(torch.tensor([10, 3, 7]), torch.tensor([2, 0, 3]), 5)
+    index = cuda._element_index(torch.tensor([10, 3, 7]), torch.tensor([2, 0, 3]), 5)
     assert index.tolist() == [10, 11, 7, 8, 9]
 
 
 def test_cpu_work_splits_long_runs_evenly() -> None:
-    piece = copy_engine._PIECE_BYTES
+    piece = cpu._PIECE_BYTES
     runs = CopyRuns(
         torch.tensor([0, 3 * piece]),
         torch.tensor([0, 5 * piece]),
         torch.tensor([3 * piece, 10]),
         3 * piece + 10,
     )
-    parts = copy_engine._cpu_work(runs, True, kv_ptr=1000, host_ptr=0, parts=2)
+    parts = cpu._cpu_work(runs, True, kv_ptr=1000, host_ptr=0, parts=2)
     assert [sum(p[2]) for p in parts] == [2 * piece, piece + 10]
     assert parts[0][1] == [1000, 1000 + piece] and parts[1][0] == [2 * piece, 5 * piece]
 
@@ -563,7 +565,7 @@ def test_failing_copy_reports_failure_and_engine_keeps_working(
 
     job = {"group_sizes": [1, 0], "block_indices": [0, 0], "block_ids": [1], "chunk_ids": [0]}
     with CopyEngine(kv, layout, pool) as mover:
-        monkeypatch.setattr(copy_engine, "_memmove_runs", broken)
+        monkeypatch.setattr(cpu, "_memmove_runs", broken)
         mover.submit_store(1, **job)
         mover.wait([1], timeout=10)
         (failed,) = mover.poll()
@@ -580,13 +582,13 @@ def test_wait_timeout_raises_transfer_error(
 ) -> None:
     _, layout, pool, kv = mixed
     release = threading.Event()
-    real = copy_engine._memmove_runs
+    real = cpu._memmove_runs
 
     def slow(*args: list[int]) -> None:
         release.wait(10)
         real(*args)
 
-    monkeypatch.setattr(copy_engine, "_memmove_runs", slow)
+    monkeypatch.setattr(cpu, "_memmove_runs", slow)
     with CopyEngine(kv, layout, pool) as mover:
         mover.submit_load(5, group_sizes=[1, 0], block_indices=[0, 0], block_ids=[1], chunk_ids=[0])
         with pytest.raises(TransferError, match=r"jobs \[5\] did not finish within 0.05s"):
@@ -640,7 +642,7 @@ def test_hand_built_layout_outside_memory_is_rejected(
     engine, layout, pool, kv = mixed
     layer = layout.groups[0].layers[0]
     far = dataclasses.replace(layer, engine_offset=engine.size)
-    group = copy_engine.GroupLayout((far,), (copy_engine.CopySegment(engine.size, 64, 64, 0),), 64)
+    group = kvcopy.GroupLayout((far,), (kvcopy.CopySegment(engine.size, 64, 64, 0),), 64)
     bad = dataclasses.replace(layout, groups=(group, layout.groups[1]))
     with (
         CopyEngine(kv, bad, pool) as mover,

@@ -14,11 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.offload.copy_engine import (
+from kvoffload.offload.copy import (
     CopyEngine,
     Placement,
     TransferLayout,
     TransferResult,
+    build_block_slots,
     build_transfer_layout,
 )
 from kvoffload.offload.host_pool import HostPool, plan_host_pool
@@ -323,31 +324,76 @@ def test_big_jobs_hashed_in_shares_verify_every_slot(threads: int, layers: int) 
         assert _run(mover, 3, store=False, block_ids=back, **job).corrupt_chunk_ids == (2, 9)
 
 
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_slots_bigger_than_a_hash_stretch_are_hashed_exactly(threads: int, layers: int) -> None:
+    # 160 KiB pages, 2 blocks per chunk: a sub-block of 160 or 320 KiB is hashed in 256 KiB stretches as its
+    # bytes are copied; the sealed checksums must equal a plain xxh3 of each sub-block, and a flipped byte
+    # past the first stretch must fail the load.
+    page, blocks = 160 << 10, 24
+    names = ("a", "b")[:layers]
+    layout = build_transfer_layout(
+        [Placement(size=layers * blocks * page, layers=names, layer_stride=blocks * page, block_stride=page)],
+        [[(name, page) for name in names]],
+        num_blocks=blocks,
+        worker_kv_bytes_per_block=layers * page,
+    )
+    plan = plan_host_pool(
+        worker_kv_bytes_per_block=layers * page,
+        world_size=1,
+        blocks_per_chunk=2,
+        cpu_bytes_to_use=16 * 2 * layers * page,
+        replicated=False,
+        rank=0,
+    )
+    gen = torch.Generator().manual_seed(11)
+    kv = torch.randint(0, 256, (layers * blocks * page,), dtype=torch.uint8, generator=gen)
+    original = kv.clone()
+    with HostPool(plan) as pool, CopyEngine(kv, layout, pool, cpu_threads=threads) as mover:
+        chunks = [15, 3, 4, 5, 9, 0, 1, 2, 6, 7, 8, 10]
+        tags = [key_tag(bytes([c])) for c in chunks]
+        job = {"group_sizes": [blocks], "block_indices": [0], "chunk_ids": chunks, "chunk_tags": tags}
+        block_ids = [(7 * i) % blocks for i in range(blocks)]
+        assert _run(mover, 1, store=True, block_ids=block_ids, **job).success
+        where = {k: v for k, v in job.items() if k != "chunk_tags"}
+        slots = build_block_slots(
+            layout, pool.integrity, chunk_tags=tags, blocks_per_chunk=2, host_row_bytes=pool.row_bytes, **where
+        )
+        host = memoryview(pool.rows.reshape(-1).numpy())  # type: ignore[arg-type]
+        assert pool.integrity.verify(slots, host, checksums=True) == []  # sealed sums == recomputed sums
+        kv.zero_()
+        assert _run(mover, 2, store=False, block_ids=block_ids, **job).success
+        assert torch.equal(kv, original)
+        pool.rows[4, layers * page + 300_000 % (layers * page)] ^= 1  # sub-block 1 of chunk 4, past 256 KiB
+        assert _run(mover, 3, store=False, block_ids=block_ids, **job).corrupt_chunk_ids == (4,)
+
+
 def test_a_store_invalidates_its_entries_until_its_copy_completes(
     private: tuple[CopyEngine, HostPool, torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import threading
 
-    from kvoffload.offload import copy_engine
+    from kvoffload.offload import copy as kvcopy
+    from kvoffload.offload.copy import cpu
 
     mover, pool, _ = private
     tag = [key_tag(b"k")]
     assert _run(mover, 1, store=True, block_ids=[1], chunk_ids=[4], chunk_tags=tag).success
     job = {"group_sizes": [1, 0], "block_indices": [0, 0], "block_ids": [2], "chunk_ids": [4], "chunk_tags": tag}
     where = {k: v for k, v in job.items() if k != "block_ids"}
-    slots = copy_engine.build_block_slots(
+    slots = kvcopy.build_block_slots(
         _layout(), pool.integrity, blocks_per_chunk=1, host_row_bytes=pool.row_bytes, **where
     )
     assert pool.integrity.states(slots).tolist() == [SEALED]
     release, started = threading.Event(), threading.Event()
-    real = copy_engine._memmove_runs
+    real = cpu._memmove_runs
 
     def held(*args: list[int]) -> None:
         started.set()
         release.wait(10)
         real(*args)
 
-    monkeypatch.setattr(copy_engine, "_memmove_runs", held)
+    monkeypatch.setattr(cpu, "_memmove_runs", held)
     mover.submit_store(2, **job)  # type: ignore[arg-type]
     assert started.wait(10)
     assert pool.integrity.states(slots).tolist() == [0]  # a load now would fail: the bytes are changing

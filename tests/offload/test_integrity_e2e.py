@@ -13,7 +13,7 @@ import torch
 import kvoffload
 from kvoffload import BlockRemoved, wire
 from kvoffload.demo import default_snapshot
-from kvoffload.offload.copy_engine import CopyEngine, TransferLayout, transfer_layout_from_config
+from kvoffload.offload.copy import CopyEngine, TransferLayout, transfer_layout_from_config
 from kvoffload.offload.host_pool import HostPool, plan_host_pool_from_config
 from kvoffload.offload.keys import chunk_keys, offload_key_hash
 from kvoffload.offload.manager import LookupResult

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvoffload import StepPlan, TransferJob
-from kvoffload.offload.copy_engine import CopyEngine, Placement, build_transfer_layout
+from kvoffload.offload.copy import CopyEngine, Placement, build_transfer_layout
 from kvoffload.offload.host_pool import HostPool, plan_host_pool
 from kvoffload.offload.worker import OffloadWorker
 from kvoffload.packed import pack_int64

@@ -18,7 +18,7 @@ from kvoffload import StepPlan, wire
 from kvoffload._generated import BackpressureConfig, FsTierConfig, TieringConfig, ValkeyTierConfig
 from kvoffload.demo import default_snapshot
 from kvoffload.errors import ConfigError
-from kvoffload.offload.copy_engine import CopyEngine, transfer_layout_from_config
+from kvoffload.offload.copy import CopyEngine, transfer_layout_from_config
 from kvoffload.offload.host_pool import HostPool, plan_host_pool_from_config
 from kvoffload.offload.keys import hash_token_blocks
 from kvoffload.offload.manager import HostBlockManager

@@ -71,7 +71,7 @@ from .._generated import (
     WorkerReport,
 )
 from ..errors import ConfigError
-from ..offload.copy_engine import CopyEngine, transfer_layout_from_config
+from ..offload.copy import CopyEngine, transfer_layout_from_config
 from ..offload.host_pool import HostPool, plan_host_pool_from_config
 from ..offload.manager import HostBlockManager
 from ..offload.scheduler import OffloadScheduler, SchedulerStats

@@ -284,6 +284,34 @@ def _check_fits(what: str, requested: int, available: int, plan: HostPoolPlan, r
         )
 
 
+_MADV_POPULATE_WRITE = 23
+"""Linux 5.14+: fault pages in writable without changing them (Python 3.11's mmap has no name for it)."""
+
+
+def _prefault(mapping: mmap.mmap, ranges: list[tuple[int, int]]) -> None:
+    """Map every page of ``ranges`` into this process now, writable.
+
+    A fresh shared mapping has no pages: the first write to each 4 KiB page takes a fault (allocating and
+    zeroing it in the creator, mapping it in every other rank), which made stores into a shared pool ~5x
+    slower than into a private pool (whose ``torch.zeros`` touched every page up front). Kernels without
+    ``MADV_POPULATE_WRITE`` get a read-modify-write of one byte per page instead (the pool is not in use yet).
+    """
+    try:
+        for start, length in ranges:
+            if length > 0:
+                mapping.madvise(_MADV_POPULATE_WRITE, start, length)
+        return
+    except (OSError, ValueError):
+        pass
+    view = memoryview(mapping)
+    try:
+        for start, length in ranges:
+            for page in range(start, start + length, PAGE_SIZE):
+                view[page] |= 0
+    finally:
+        view.release()
+
+
 class _Resources:
     """What a pool must release: kept apart from :class:`HostPool` so ``weakref.finalize`` can run it."""
 
@@ -415,6 +443,7 @@ class HostPool:
             else:
                 self._wait_for_creator(res.fd, path, total, deadline, join_timeout_s)
             mapping = mmap.mmap(res.fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            _prefault(mapping, self._own_ranges(total))
         except BaseException:
             res.release()
             raise
@@ -424,6 +453,19 @@ class HostPool:
         rows = torch.frombuffer(mapping, dtype=torch.uint8, count=rows_total).view(plan.num_chunks, self._row_bytes)
         meta = torch.frombuffer(mapping, dtype=torch.int64, count=entries * 3, offset=rows_total)
         return rows, meta
+
+    def _own_ranges(self, total: int) -> list[tuple[int, int]]:
+        """Page-rounded byte ranges of the shared file this rank reads and writes: its slot of every row (the
+        whole rows when it is the only slot or the layout is replicated) and the integrity table."""
+        plan = self._plan
+        rows_total = plan.total_bytes
+        if plan.copies == 1 or plan.replicated:
+            return [(0, total)]
+        first = self._slot_offset // PAGE_SIZE * PAGE_SIZE
+        last = _round_up(self._slot_offset + plan.slot_bytes, PAGE_SIZE)
+        ranges = [(row * self._row_bytes + first, last - first) for row in range(plan.num_chunks)]
+        ranges.append((rows_total, total - rows_total))
+        return ranges
 
     @staticmethod
     def _wait_for_creator(fd: int, path: Path, total: int, deadline: float, join_timeout_s: float) -> None:
@@ -548,7 +590,7 @@ class HostPool:
     def close(self) -> None:
         """Release the pool: unpin, close the file and remove it if this process created it.
 
-        Close the :class:`~kvoffload.offload.copy_engine.CopyEngine` using the pool first. Shared memory is
+        Close the :class:`~kvoffload.offload.copy.CopyEngine` using the pool first. Shared memory is
         unmapped once the last tensor view of it is gone, never under a live view.
         """
         if self._closed:

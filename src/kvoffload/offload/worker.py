@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .._generated import JobResult, StepPlan, TransferJob, WorkerReport
 from ..errors import KVOffloadError
 from ..packed import Int32Array, Int64Array, pack_int64
-from .copy_engine import CopyEngine
+from .copy import CopyEngine
 
 if TYPE_CHECKING:
     from ..tiers.cascade import TierWorker

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..offload.copy_engine import TransferLayout
+from ..offload.copy import TransferLayout
 
 __all__ = ["block_seed", "fill_blocks", "verify_blocks"]
 

@@ -47,7 +47,7 @@ from .._generated import (
     codecs,
 )
 from ..errors import ConfigError, WireError, WorkerError
-from ..offload.copy_engine import CopyEngine, TransferLayout, transfer_layout_from_config
+from ..offload.copy import CopyEngine, TransferLayout, transfer_layout_from_config
 from ..offload.host_pool import HostPool, plan_host_pool_from_config
 from ..offload.worker import OffloadWorker
 from ..packed import Int64Array

@@ -1,0 +1,43 @@
+"""Moves KV pages between the engine's KV memory and the host pool, asynchronously.
+
+* :mod:`.placement` - where each offloaded layer's page lives in engine memory and in the host per-block slot
+  (:func:`build_transfer_layout`, :func:`transfer_layout_from_config`).
+* :mod:`.runs` - one job's coalesced byte runs (:func:`build_copy_runs`) and the sub-blocks it touches
+  (:func:`build_block_slots`, for the integrity table).
+* :mod:`.backend` / :mod:`.cpu` / :mod:`.cuda` - the :class:`CopyBackend` protocol and its CPU (threads) and
+  CUDA (streams) implementations.
+* :mod:`.engine` - :class:`CopyEngine`, the facade a worker uses: validate, plan, submit, poll.
+"""
+
+from kvoffload.offload.copy.backend import CopyBackend, Direction, TransferResult
+from kvoffload.offload.copy.engine import CopyEngine
+from kvoffload.offload.copy.placement import (
+    CopySegment,
+    GroupLayout,
+    LayerPlacement,
+    Placement,
+    PlacementLike,
+    TransferLayout,
+    build_transfer_layout,
+    transfer_layout_from_config,
+)
+from kvoffload.offload.copy.runs import CopyRuns, IdsLike, build_block_slots, build_copy_runs
+
+__all__ = [
+    "CopyBackend",
+    "CopyEngine",
+    "CopyRuns",
+    "CopySegment",
+    "Direction",
+    "GroupLayout",
+    "IdsLike",
+    "LayerPlacement",
+    "Placement",
+    "PlacementLike",
+    "TransferLayout",
+    "TransferResult",
+    "build_block_slots",
+    "build_copy_runs",
+    "build_transfer_layout",
+    "transfer_layout_from_config",
+]

@@ -1,0 +1,313 @@
+"""The CPU backend: one thread per direction copies each job's runs with memmove, big jobs shared with helpers.
+
+With content checksums on, a job is copied and hashed slot by slot so that every sub-block is hashed while its
+bytes are still in cache: a store hashes what it just wrote, a load the host bytes it just read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from kvoffload.offload.copy.backend import Direction, Integrity, TransferResult, corrupt_result, failed_result
+from kvoffload.offload.copy.runs import CopyRuns
+from kvoffload.offload.integrity import BlockSlots
+
+__all__ = ["CpuBackend"]
+
+_PIECE_BYTES = 4 << 20
+"""Longer runs are cut into pieces of this size so that the copy threads share the work evenly."""
+
+_PARALLEL_MIN_BYTES = 2 << 20
+"""Jobs smaller than this run on the direction's thread alone (waking helpers costs more)."""
+
+_HASH_BYTES = 256 << 10
+"""With checksums, runs are copied and slots hashed in stretches of at most this size (stays in L2)."""
+
+_xxh3_64 = xxhash.xxh3_64_intdigest
+
+
+def _memmove_runs(dsts: list[int], srcs: list[int], lengths: list[int]) -> None:
+    """Copy each run with the C library's memmove.
+
+    ``ctypes`` releases the GIL for the copy and, unlike a loop of torch ``copy_`` calls, wakes no OpenMP
+    team per call (which collapses to ~1-4 GB/s for 64 KB-1 MB pages when run off the main thread).
+    """
+    if not len(dsts) == len(srcs) == len(lengths):
+        raise ValueError(f"{len(dsts)} destinations, {len(srcs)} sources and {len(lengths)} lengths")
+    deque(map(ctypes.memmove, dsts, srcs, lengths), maxlen=0)  # no Python bytecode between the calls
+
+
+def _cut(engine: np.ndarray, host: np.ndarray, length: np.ndarray, piece: int) -> tuple[np.ndarray, ...]:
+    """The runs cut into consecutive pieces of at most ``piece`` bytes (numpy: a few µs per call)."""
+    pieces = (length + (piece - 1)) // piece
+    if length.size == 0 or int(pieces.max()) <= 1:
+        return engine, host, length
+    owner = np.repeat(np.arange(length.size), pieces)
+    skip = (np.arange(owner.size) - (np.cumsum(pieces) - pieces)[owner]) * piece
+    return engine[owner] + skip, host[owner] + skip, np.minimum(length[owner] - skip, piece)
+
+
+def _cpu_work(
+    runs: CopyRuns, is_store: bool, kv_ptr: int, host_ptr: int, parts: int
+) -> list[tuple[list[int], list[int], list[int]]]:
+    """Absolute (dst, src, length) lists for ``parts`` threads, split so each moves about the same bytes."""
+    engine, host, length = runs.engine_offsets, runs.host_offsets, runs.lengths
+    if length.numel() == 0:
+        return []
+    if parts > 1:
+        pieces = (length + (_PIECE_BYTES - 1)) // _PIECE_BYTES
+        if int(pieces.max()) > 1:
+            owner = torch.repeat_interleave(torch.arange(length.numel()), pieces)
+            piece_no = torch.arange(owner.numel()) - (pieces.cumsum(0) - pieces)[owner]
+            skip = piece_no * _PIECE_BYTES
+            engine, host = engine[owner] + skip, host[owner] + skip
+            length = torch.clamp(length[owner] - skip, max=_PIECE_BYTES)
+    engine, host = engine + kv_ptr, host + host_ptr
+    dst, src = (host, engine) if is_store else (engine, host)
+    if parts <= 1:
+        return [(dst.tolist(), src.tolist(), length.tolist())]
+    ends = length.cumsum(0)
+    owner = (2 * ends - length) * parts // (2 * int(ends[-1]))  # the part holding each run's middle byte
+    bounds = torch.searchsorted(owner, torch.arange(parts + 1)).tolist()
+    return [
+        (dst[a:b].tolist(), src[a:b].tolist(), length[a:b].tolist()) for a, b in itertools.pairwise(bounds) if b > a
+    ]
+
+
+@dataclass(frozen=True)
+class _HashedPart:
+    """A share of a checksummed job: hash segments in host order (a slot, or a cache-sized stretch of a big
+    one), each with the end of the runs copied before it is hashed, and those runs as absolute pointers."""
+
+    slots: list[int]  # the job's BlockSlots index each segment belongs to
+    firsts: list[int]  # host byte range of each segment, relative to the rows
+    lasts: list[int]
+    whole: list[bool]  # the segment is its whole slot (else the slot is hashed in streaming segments)
+    final: list[bool]  # the segment ends its slot
+    bounds: list[int]  # runs [previous bound, bound) are copied before each segment is hashed
+    dsts: list[int]
+    srcs: list[int]
+    lengths: list[int]
+
+
+def _hashed_parts(
+    runs: CopyRuns, is_store: bool, kv_ptr: int, host_ptr: int, slots: BlockSlots, parts: int
+) -> list[_HashedPart]:
+    """Split a checksummed job into up to ``parts`` shares of about equal bytes, cut only between slots that
+    no run spans (so a share never hashes bytes another share is still writing).
+
+    Runs are cut into pieces and slots into segments of at most :data:`_HASH_BYTES`, and each segment is
+    hashed right after the pieces starting before its end are copied: the bytes are hashed while in cache.
+    Everything is computed here, vectorized, so that the copy loop only moves and hashes.
+    """
+    starts = runs.host_offsets.numpy()
+    order = np.argsort(starts, kind="stable")
+    engine, host, lengths = _cut(
+        runs.engine_offsets.numpy()[order], starts[order], runs.lengths.numpy()[order], _HASH_BYTES
+    )
+    dst, src = (host + host_ptr, engine + kv_ptr) if is_store else (engine + kv_ptr, host + host_ptr)
+    offsets = np.asarray(slots.host_offsets, dtype=np.int64)
+    visit = np.argsort(offsets, kind="stable")
+    slot_first = offsets[visit]
+    slot_size = np.asarray(slots.lengths, dtype=np.int64)[visit]
+    # segments of each slot (an empty slot keeps one empty segment)
+    count = np.maximum((slot_size + (_HASH_BYTES - 1)) // _HASH_BYTES, 1)
+    owner = np.repeat(np.arange(visit.size), count)
+    seg_no = np.arange(owner.size) - (np.cumsum(count) - count)[owner]
+    first = slot_first[owner] + seg_no * _HASH_BYTES
+    last = np.minimum(first + _HASH_BYTES, (slot_first + slot_size)[owner])
+    final = seg_no == count[owner] - 1
+    bound = np.searchsorted(host, last)
+    cuts, run_cuts = [0], [0]  # segment and run positions where a share starts
+    if parts > 1 and visit.size > 1:
+        next_first = slot_first[1:]
+        before_next = np.searchsorted(host, next_first)  # pieces starting before each next slot
+        reach = (host + lengths)[np.maximum(before_next - 1, 0)]
+        allowed = np.flatnonzero((before_next == 0) | (reach <= next_first))
+        done = np.cumsum(slot_size)
+        targets = int(done[-1]) * np.arange(1, parts, dtype=np.int64) // parts
+        picks = np.searchsorted(done[allowed], targets)  # first allowed cut with at least the target
+        slot_ends = np.cumsum(count)
+        for pick in sorted(set(picks.tolist())):
+            if pick < allowed.size:
+                position = int(allowed[pick])
+                cuts.append(int(slot_ends[position]))
+                run_cuts.append(int(before_next[position]))
+    cuts.append(int(owner.size))
+    run_cuts.append(int(lengths.size))
+    ids, firsts, lasts, bounds = visit[owner].tolist(), first.tolist(), last.tolist(), bound.tolist()
+    whole, finals = (count[owner] == 1).tolist(), final.tolist()
+    dsts, srcs, length_list = dst.tolist(), src.tolist(), lengths.tolist()
+    out: list[_HashedPart] = []
+    for (a, b), (ra, rb) in zip(itertools.pairwise(cuts), itertools.pairwise(run_cuts), strict=True):
+        if b == a and rb == ra:
+            continue
+        out.append(
+            _HashedPart(
+                ids[a:b],
+                firsts[a:b],
+                lasts[a:b],
+                whole[a:b],
+                finals[a:b],
+                [min(rb, max(ra, x)) - ra for x in bounds[a:b]],
+                dsts[ra:rb],
+                srcs[ra:rb],
+                length_list[ra:rb],
+            )
+        )
+    return out
+
+
+def _copy_and_hash(part: _HashedPart, is_store: bool, host: memoryview, digests: list[int]) -> None:
+    """Copy a share's runs and hash each of its slots while the bytes are in cache (digests by slot index).
+
+    Both directions hash the host bytes right after copying them: a store what it wrote, a load what it read
+    (in cache then, ~20% cheaper than hashing from memory before the copy). A slot bigger than
+    :data:`_HASH_BYTES` is hashed in streaming segments, each right after its own bytes were copied.
+    """
+    dsts, srcs, lengths = part.dsts, part.srcs, part.lengths
+    digest = _xxh3_64
+    state: xxhash.xxh3_64 | None = None
+    r = 0
+    segments = zip(part.slots, part.firsts, part.lasts, part.whole, part.final, part.bounds, strict=True)
+    for i, first, last, whole, final, bound in segments:
+        _memmove_runs(dsts[r:bound], srcs[r:bound], lengths[r:bound])
+        r = bound
+        if whole:
+            digests[i] = digest(host[first:last])
+            continue
+        if state is None:
+            state = xxhash.xxh3_64()
+        state.update(host[first:last])
+        if final:
+            digests[i] = state.intdigest()
+            state = None
+    _memmove_runs(dsts[r:], srcs[r:], lengths[r:])
+
+
+class CpuBackend:
+    """One thread per direction runs jobs in order; big jobs are shared with ``threads - 1`` helpers.
+
+    Integrity runs on the direction's thread right after a job's copy, while its bytes are still in cache:
+    a store seals its sub-blocks, a load verifies them and fails if any does not match.
+    """
+
+    def __init__(self, kv_flat: torch.Tensor, host_flat: torch.Tensor, threads: int, integrity: Integrity) -> None:
+        self._kv = kv_flat
+        self._integrity = integrity
+        self._host = host_flat  # the references keep the memory behind the raw pointers alive
+        self._parts = threads
+        self._helpers = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvoffload-copy") if threads > 1 else None
+        self._cond = threading.Condition()
+        self._done: dict[Direction, deque[TransferResult]] = {d: deque() for d in Direction}
+        self._pending: set[int] = set()
+        self._queues: dict[Direction, queue.SimpleQueue[tuple[int, CopyRuns, BlockSlots | None] | None]] = {
+            d: queue.SimpleQueue() for d in Direction
+        }
+        self._threads = [
+            threading.Thread(target=self._loop, args=(d,), name=f"kvoffload-{d.value}", daemon=True) for d in Direction
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, job_id: int, direction: Direction, runs: CopyRuns, slots: BlockSlots | None) -> None:
+        with self._cond:
+            self._pending.add(job_id)
+        self._queues[direction].put((job_id, runs, slots))
+
+    def _loop(self, direction: Direction) -> None:
+        jobs = self._queues[direction]
+        is_store = direction.is_store
+        integrity = self._integrity
+        while (item := jobs.get()) is not None:
+            job_id, runs, slots = item
+            start = time.perf_counter()
+            try:
+                sums: list[int] | None = None
+                if integrity.checksums and slots is not None and len(slots) and len(runs):
+                    sums = self._execute_hashed(runs, is_store, slots)
+                else:
+                    self._execute(runs, is_store)
+                if is_store:
+                    integrity.seal(slots, sums)
+                    bad = []
+                else:
+                    bad = integrity.verify(slots, sums)
+                seconds = time.perf_counter() - start
+                if bad:
+                    result = corrupt_result(job_id, seconds, bad)
+                else:
+                    result = TransferResult(job_id, True, is_store, runs.num_bytes, seconds)
+            except Exception as exc:
+                result = failed_result(job_id, direction, time.perf_counter() - start, exc)
+            with self._cond:
+                self._done[direction].append(result)
+                self._pending.discard(job_id)
+                self._cond.notify_all()
+
+    def _execute(self, runs: CopyRuns, is_store: bool) -> None:
+        if len(runs) == 0:
+            return
+        parallel = self._helpers is not None and runs.num_bytes >= _PARALLEL_MIN_BYTES
+        work = _cpu_work(runs, is_store, self._kv.data_ptr(), self._host.data_ptr(), self._parts if parallel else 1)
+        futures = [self._helpers.submit(_memmove_runs, *w) for w in work[1:]] if self._helpers else []
+        try:
+            _memmove_runs(*work[0])
+        finally:
+            errors = [f.exception() for f in futures]  # wait for every helper before reporting
+        for error in errors:
+            if error is not None:
+                raise error
+
+    def _execute_hashed(self, runs: CopyRuns, is_store: bool, slots: BlockSlots) -> list[int]:
+        """Copy and hash in shares (helpers copy while another share hashes); the slots' digests."""
+        parallel = self._helpers is not None and runs.num_bytes >= _PARALLEL_MIN_BYTES
+        work = _hashed_parts(
+            runs, is_store, self._kv.data_ptr(), self._host.data_ptr(), slots, self._parts if parallel else 1
+        )
+        digests = [0] * len(slots)
+        host = self._integrity.host
+        futures = (
+            [self._helpers.submit(_copy_and_hash, w, is_store, host, digests) for w in work[1:]]
+            if self._helpers
+            else []
+        )
+        try:
+            if work:
+                _copy_and_hash(work[0], is_store, host, digests)
+        finally:
+            errors = [f.exception() for f in futures]
+        for error in errors:
+            if error is not None:
+                raise error
+        return digests
+
+    def poll(self) -> list[TransferResult]:
+        with self._cond:
+            out = [*self._done[Direction.STORE], *self._done[Direction.LOAD]]
+            for done in self._done.values():
+                done.clear()
+        return out
+
+    def wait(self, job_ids: set[int], timeout: float | None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: not (job_ids & self._pending), timeout)
+
+    def close(self) -> None:
+        for q in self._queues.values():
+            q.put(None)
+        for thread in self._threads:
+            thread.join()
+        if self._helpers is not None:
+            self._helpers.shutdown()

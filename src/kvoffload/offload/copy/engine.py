@@ -1,0 +1,223 @@
+"""The :class:`CopyEngine` facade: validates and plans jobs, hands them to the CPU or CUDA backend."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from kvoffload.errors import ConfigError, InvalidStateError, TransferError
+from kvoffload.offload.copy.backend import CopyBackend, Direction, Integrity, TransferResult
+from kvoffload.offload.copy.cpu import CpuBackend
+from kvoffload.offload.copy.cuda import CudaBackend
+from kvoffload.offload.copy.placement import TransferLayout
+from kvoffload.offload.copy.runs import CopyRuns, IdsLike, build_block_slots, build_copy_runs
+from kvoffload.offload.host_pool import HostPool
+from kvoffload.offload.integrity import BlockSlots
+
+__all__ = ["CopyEngine"]
+
+
+class CopyEngine:
+    """Asynchronous page mover between one worker's KV memory and its host pool.
+
+    ``kv_memory`` is the engine's flat backing allocation (any contiguous tensor; viewed as bytes) that
+    ``layout`` describes. ``submit_store``/``submit_load`` validate, plan the runs and return at once;
+    :meth:`poll` returns finished jobs, in submission order per direction. CPU memory: one thread per
+    direction (``cpu_threads`` threads share a big job). CUDA memory: one stream per direction, timed with
+    CUDA events. Copy failures become ``TransferResult(success=False)``. Call from one thread.
+
+    Integrity (on by default): every store records, per sub-block of this rank's slot, the key tag from
+    ``chunk_tags`` and an xxh3_64 checksum of the stored bytes in the pool's table; every load verifies both
+    and fails with ``corrupt_chunk_ids`` on a mismatch or a missing entry. ``checksums=False`` skips the
+    content checksums (key tags are still written and verified); every rank of a pool must agree on it.
+    """
+
+    def __init__(
+        self,
+        kv_memory: torch.Tensor,
+        layout: TransferLayout,
+        host_pool: HostPool,
+        *,
+        cpu_threads: int | None = None,
+        checksums: bool = True,
+    ) -> None:
+        if not isinstance(checksums, bool):
+            raise ConfigError(f"checksums={checksums!r} must be a bool")
+        if not kv_memory.is_contiguous():
+            raise ConfigError(f"kv_memory must be contiguous (shape {tuple(kv_memory.shape)})")
+        kv_flat = kv_memory.reshape(-1).view(torch.uint8)
+        if kv_flat.numel() < layout.engine_bytes:
+            raise ConfigError(
+                f"kv_memory has {kv_flat.numel()} bytes but the placements describe an allocation of "
+                f"size={layout.engine_bytes}"
+            )
+        plan = host_pool.plan
+        if plan.worker_kv_bytes_per_block != layout.worker_kv_bytes_per_block:
+            raise ConfigError(
+                f"host pool worker_kv_bytes_per_block={plan.worker_kv_bytes_per_block} differs from the "
+                f"layout's worker_kv_bytes_per_block={layout.worker_kv_bytes_per_block}"
+            )
+        rows = host_pool.rows
+        if not rows.is_contiguous() or rows.device.type != "cpu":
+            raise ConfigError("host pool rows must be one contiguous CPU tensor")
+        threads = min(4, max(1, torch.get_num_threads())) if cpu_threads is None else cpu_threads
+        if threads < 1:
+            raise ConfigError(f"cpu_threads={cpu_threads} must be >= 1")
+        self._layout = layout
+        self._bpc = plan.blocks_per_chunk
+        self._num_chunks = host_pool.num_chunks
+        self._row_bytes = host_pool.row_bytes
+        self._slot_offset = host_pool.slot_offset
+        self._writes = host_pool.writes
+        self._table = host_pool.integrity
+        self._checksums = checksums
+        self._unpolled: set[int] = set()
+        self._closed = False
+        host_flat = rows.reshape(-1)
+        self._kv_bytes = kv_flat.numel()
+        self._host_bytes = host_flat.numel()
+        host_bytes: memoryview = memoryview(host_flat.numpy())  # type: ignore[arg-type]  # numpy is a buffer
+        integrity = Integrity(self._table, host_bytes, checksums)
+        self._backend: CopyBackend
+        if kv_flat.is_cuda:
+            self._backend = CudaBackend(kv_flat, host_flat, integrity)
+        elif kv_flat.device.type == "cpu":
+            self._backend = CpuBackend(kv_flat, host_flat, threads, integrity)
+        else:
+            raise ConfigError(f"kv_memory on device {kv_flat.device} is not supported (cpu or cuda)")
+
+    def plan_runs(
+        self,
+        *,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int],
+        block_ids: IdsLike,
+        chunk_ids: IdsLike,
+    ) -> CopyRuns:
+        """The coalesced runs a job would copy (validates like the submit calls)."""
+        return build_copy_runs(
+            self._layout,
+            group_sizes=group_sizes,
+            block_indices=block_indices,
+            block_ids=block_ids,
+            chunk_ids=chunk_ids,
+            blocks_per_chunk=self._bpc,
+            num_chunks=self._num_chunks,
+            host_row_bytes=self._row_bytes,
+            host_slot_offset=self._slot_offset,
+        )
+
+    def submit_store(
+        self,
+        job_id: int,
+        *,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int],
+        block_ids: IdsLike,
+        chunk_ids: IdsLike,
+        chunk_tags: IdsLike | None = None,
+    ) -> None:
+        """Start copying engine blocks into host chunks (engine → host). Returns immediately.
+
+        ``chunk_tags[i]`` is the key tag of ``chunk_ids[i]`` (:func:`~kvoffload.offload.integrity.key_tag`;
+        omitted: untagged). A rank that does not write to a shared replicated pool completes the job with 0
+        bytes and leaves the pool's integrity table to the writer.
+        """
+        self._submit(Direction.STORE, job_id, group_sizes, block_indices, block_ids, chunk_ids, chunk_tags)
+
+    def submit_load(
+        self,
+        job_id: int,
+        *,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int],
+        block_ids: IdsLike,
+        chunk_ids: IdsLike,
+        chunk_tags: IdsLike | None = None,
+    ) -> None:
+        """Start copying host chunks back into engine blocks (host → engine). Returns immediately.
+
+        The job fails (``corrupt_chunk_ids`` set) when a sub-block it reads was not sealed by a completed
+        store, holds another key than ``chunk_tags`` says, or (with checksums) has other bytes than stored.
+        """
+        self._submit(Direction.LOAD, job_id, group_sizes, block_indices, block_ids, chunk_ids, chunk_tags)
+
+    def _submit(
+        self,
+        direction: Direction,
+        job_id: int,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int],
+        block_ids: IdsLike,
+        chunk_ids: IdsLike,
+        chunk_tags: IdsLike | None = None,
+    ) -> None:
+        if self._closed:
+            raise InvalidStateError(f"job {job_id}: the copy engine is closed")
+        if job_id in self._unpolled:
+            raise InvalidStateError(f"job_id={job_id} is still in flight (or its result was not polled)")
+        runs = self.plan_runs(
+            group_sizes=group_sizes, block_indices=block_indices, block_ids=block_ids, chunk_ids=chunk_ids
+        )
+        if len(runs):
+            # Guards the raw-pointer copies against a hand-built layout that does not fit the memory.
+            for side, offsets, limit in (
+                ("engine", runs.engine_offsets, self._kv_bytes),
+                ("host", runs.host_offsets, self._host_bytes),
+            ):
+                low, high = int(offsets.min()), int((offsets + runs.lengths).max())
+                if low < 0 or high > limit:
+                    raise ConfigError(f"job {job_id}: runs reach {side} bytes [{low}, {high}) outside [0, {limit})")
+        slots: BlockSlots | None = None
+        if direction is Direction.STORE and not self._writes:
+            runs = CopyRuns.empty()
+        else:
+            slots = build_block_slots(
+                self._layout,
+                self._table,
+                group_sizes=group_sizes,
+                block_indices=block_indices,
+                chunk_ids=chunk_ids,
+                chunk_tags=chunk_tags,
+                blocks_per_chunk=self._bpc,
+                host_row_bytes=self._row_bytes,
+                host_slot_offset=self._slot_offset,
+            )
+            if direction is Direction.STORE:
+                self._table.invalidate(slots)  # unusable until this store's copy has completed
+        self._unpolled.add(job_id)
+        self._backend.submit(job_id, direction, runs, slots)
+
+    @property
+    def checksums(self) -> bool:
+        """Whether stores record and loads verify content checksums (key tags always are)."""
+        return self._checksums
+
+    def poll(self) -> list[TransferResult]:
+        """Finished jobs since the last call: stores then loads, each in submission order."""
+        results = self._backend.poll()
+        for result in results:
+            self._unpolled.discard(result.job_id)
+        return results
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> None:
+        """Block until the given jobs have finished (their results stay for :meth:`poll`).
+
+        Ids not in flight return at once. Raises :class:`TransferError` after ``timeout`` seconds.
+        """
+        ids = set(job_ids) & self._unpolled
+        if ids and not self._backend.wait(ids, timeout):
+            raise TransferError(f"jobs {sorted(ids)} did not finish within {timeout}s")
+
+    def close(self) -> None:
+        """Finish the submitted jobs and stop the threads/streams; results stay pollable."""
+        if not self._closed:
+            self._closed = True
+            self._backend.close()
+
+    def __enter__(self) -> CopyEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,238 @@
+"""Copy runs of one job, shared by the CPU and the CUDA backends, and the sub-blocks it touches.
+
+:func:`build_copy_runs` turns one job (groups, logical block indices, engine block ids, host chunk ids) into
+coalesced byte runs, with vLLM 0.33's sub-block rule: chunk row sub-block ``j`` holds engine block ``j`` of
+the chunk, and a partly covered first chunk is entered at sub-block ``block_index % blocks_per_chunk``.
+:func:`build_block_slots` names the sub-blocks a job touches (same index math) so that stores seal and loads
+verify them in the pool's integrity table (:mod:`kvoffload.offload.integrity`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvoffload.errors import ConfigError
+from kvoffload.offload.copy.placement import TransferLayout
+from kvoffload.offload.integrity import BlockSlots, IntegrityTable
+
+__all__ = ["CopyRuns", "IdsLike", "build_block_slots", "build_copy_runs"]
+
+IdsLike = Sequence[int] | torch.Tensor
+"""Block or chunk ids: a sequence of ints or a 1-D integer tensor."""
+
+
+@dataclass(frozen=True)
+class CopyRuns:
+    """Coalesced byte runs of one job: ``lengths[i]`` bytes between engine byte ``engine_offsets[i]`` and
+    host byte ``host_offsets[i]`` (offsets into the flat engine allocation and the flat host rows)."""
+
+    engine_offsets: torch.Tensor
+    host_offsets: torch.Tensor
+    lengths: torch.Tensor
+    num_bytes: int
+
+    @staticmethod
+    def empty() -> CopyRuns:
+        """No bytes to move."""
+        none = torch.zeros(0, dtype=torch.int64)
+        return CopyRuns(none, none, none, 0)
+
+    def __len__(self) -> int:
+        return int(self.lengths.numel())
+
+
+def _as_ids(ids: IdsLike, field: str) -> torch.Tensor:
+    try:
+        out = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ConfigError(f"{field} must be a sequence of ints or an integer tensor: {exc}") from exc
+    if out.dim() != 1:
+        raise ConfigError(f"{field} must be one-dimensional, got shape {tuple(out.shape)}")
+    if out.numel() and out.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ConfigError(f"{field} must hold integers, got dtype {out.dtype}")
+    return out.to(device="cpu", dtype=torch.int64)
+
+
+def _check_range(ids: torch.Tensor, field: str, limit: int, limit_name: str) -> None:
+    if ids.numel() == 0:
+        return
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        raise ConfigError(f"{field} contains {bad}, outside [0, {limit_name}={limit})")
+
+
+def build_copy_runs(
+    layout: TransferLayout,
+    *,
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
+    block_ids: IdsLike,
+    chunk_ids: IdsLike,
+    blocks_per_chunk: int,
+    num_chunks: int,
+    host_row_bytes: int,
+    host_slot_offset: int = 0,
+) -> CopyRuns:
+    """Byte runs moving one job's pages (reference §4.6; the same runs serve stores and loads).
+
+    Group ``g`` moves ``group_sizes[g]`` engine blocks, taken in order from ``block_ids``; its first block
+    has logical index ``block_indices[g]``, so it starts at sub-block ``skip = block_indices[g] %
+    blocks_per_chunk`` of its first chunk and uses the next ``cdiv(n + skip, blocks_per_chunk)`` ids of
+    ``chunk_ids``. Engine block ``i`` of the group lands in host chunk ``chunk[(skip+i) // bpc]`` at
+    sub-block ``(skip+i) % bpc``, i.e. host byte ``chunk*host_row_bytes + host_slot_offset +
+    sub*worker_kv_bytes_per_block + page host offset``. Raises :class:`ConfigError` when the counts are not
+    consumed exactly or an id is out of range.
+    """
+    bpc = blocks_per_chunk
+    if bpc < 1:
+        raise ConfigError(f"blocks_per_chunk={bpc} must be >= 1")
+    num_groups = len(layout.groups)
+    if len(group_sizes) != num_groups or len(block_indices) != num_groups:
+        raise ConfigError(
+            f"group_sizes has {len(group_sizes)} and block_indices has {len(block_indices)} entries; "
+            f"the layout has {num_groups} groups"
+        )
+    needed_chunks = 0
+    for g, (n, b) in enumerate(zip(group_sizes, block_indices, strict=True)):
+        if n < 0 or b < 0:
+            raise ConfigError(f"group {g}: group_sizes={n} and block_indices={b} must be >= 0")
+        if n:
+            needed_chunks += -(-(n + b % bpc) // bpc)
+    blocks = _as_ids(block_ids, "block_ids")
+    chunks = _as_ids(chunk_ids, "chunk_ids")
+    needed_blocks = sum(group_sizes)
+    if blocks.numel() != needed_blocks or chunks.numel() != needed_chunks:
+        raise ConfigError(
+            f"group_sizes={list(group_sizes)} with block_indices={list(block_indices)} and "
+            f"blocks_per_chunk={bpc} consume {needed_blocks} block_ids and {needed_chunks} chunk_ids, "
+            f"but the job has {blocks.numel()} block_ids and {chunks.numel()} chunk_ids"
+        )
+    _check_range(blocks, "block_ids", layout.num_blocks, "num_blocks")
+    _check_range(chunks, "chunk_ids", num_chunks, "num_chunks")
+
+    wkb = layout.worker_kv_bytes_per_block
+    engine_parts: list[torch.Tensor] = []
+    host_parts: list[torch.Tensor] = []
+    length_parts: list[torch.Tensor] = []
+    num_bytes = 0
+    block_pos = chunk_pos = 0
+    for g, (n, b) in enumerate(zip(group_sizes, block_indices, strict=True)):
+        if n == 0:
+            continue
+        group = layout.groups[g]
+        skip = b % bpc
+        count = -(-(n + skip) // bpc)
+        engine_blocks = blocks[block_pos : block_pos + n]
+        group_chunks = chunks[chunk_pos : chunk_pos + count]
+        block_pos += n
+        chunk_pos += count
+        num_bytes += n * group.bytes_per_block
+        if not group.segments:
+            continue
+        chunk_of_block, sub_block = _block_positions(group_chunks, skip, n, bpc)
+        host_block = chunk_of_block * host_row_bytes + sub_block * wkb + host_slot_offset
+        seg = torch.tensor(
+            [(s.engine_offset, s.block_stride, s.length, s.host_offset) for s in group.segments],
+            dtype=torch.int64,
+        )
+        # Segment-major order: consecutive blocks of one segment sit next to each other, so runs of
+        # consecutive engine blocks landing in consecutive sub-blocks coalesce.
+        engine_parts.append((seg[:, 0:1] + seg[:, 1:2] * engine_blocks).reshape(-1))
+        host_parts.append((seg[:, 3:4] + host_block).reshape(-1))
+        length_parts.append(seg[:, 2:3].expand(-1, n).reshape(-1))
+    if not engine_parts:
+        return CopyRuns.empty()
+    (engine, host), length = merge_runs((torch.cat(engine_parts), torch.cat(host_parts)), torch.cat(length_parts))
+    return CopyRuns(engine, host, length, num_bytes)
+
+
+def _block_positions(group_chunks: torch.Tensor, skip: int, n: int, bpc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host chunk id and sub-block of each of a group's ``n`` blocks entered at sub-block ``skip`` (§4.6)."""
+    sub = torch.arange(skip, skip + n, dtype=torch.int64)
+    return group_chunks[sub // bpc], sub % bpc
+
+
+def build_block_slots(
+    layout: TransferLayout,
+    table: IntegrityTable,
+    *,
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
+    chunk_ids: IdsLike,
+    chunk_tags: IdsLike | None,
+    blocks_per_chunk: int,
+    host_row_bytes: int,
+    host_slot_offset: int = 0,
+) -> BlockSlots:
+    """The sub-blocks a job writes or reads, for integrity: same index math as :func:`build_copy_runs`.
+
+    Each engine block of group ``g`` covers bytes ``[0, bytes_per_block)`` of its sub-block slot (a group's
+    pages are packed from the slot start). ``chunk_tags[i]`` is the key tag of ``chunk_ids[i]``; ``None``
+    or empty means untagged (tag 0). Call after :func:`build_copy_runs` validated the job.
+    """
+    bpc = blocks_per_chunk
+    chunks = _as_ids(chunk_ids, "chunk_ids")
+    tags = torch.zeros_like(chunks) if chunk_tags is None else _as_ids(chunk_tags, "chunk_tags")
+    if tags.numel() == 0:
+        tags = torch.zeros_like(chunks)
+    if tags.numel() != chunks.numel():
+        raise ConfigError(f"chunk_tags has {tags.numel()} entries but the job has {chunks.numel()} chunk_ids")
+    wkb = layout.worker_kv_bytes_per_block
+    chunk_parts: list[torch.Tensor] = []
+    sub_parts: list[torch.Tensor] = []
+    tag_parts: list[torch.Tensor] = []
+    length_parts: list[torch.Tensor] = []
+    chunk_pos = 0
+    for g, (n, b) in enumerate(zip(group_sizes, block_indices, strict=True)):
+        if n == 0:
+            continue
+        skip = b % bpc
+        count = -(-(n + skip) // bpc)
+        positions = torch.arange(chunk_pos, chunk_pos + count, dtype=torch.int64)
+        chunk_pos += count
+        chunk_of_block, sub_block = _block_positions(chunks[positions], skip, n, bpc)
+        tag_of_block, _ = _block_positions(tags[positions], skip, n, bpc)
+        chunk_parts.append(chunk_of_block)
+        sub_parts.append(sub_block)
+        tag_parts.append(tag_of_block)
+        length_parts.append(torch.full((n,), layout.groups[g].bytes_per_block, dtype=torch.int64))
+    if not chunk_parts:
+        none = np.zeros(0, dtype=np.int64)
+        return BlockSlots(none, none, [], [], none)
+    chunk_of = torch.cat(chunk_parts)
+    sub_of = torch.cat(sub_parts)
+    host = chunk_of * host_row_bytes + sub_of * wkb + host_slot_offset
+    chunk_np = chunk_of.numpy()
+    return BlockSlots(
+        entries=table.entry_index(chunk_np, sub_of.numpy()),
+        chunk_ids=chunk_np,
+        host_offsets=host.tolist(),
+        lengths=torch.cat(length_parts).tolist(),
+        tags=torch.cat(tag_parts).numpy(),
+    )
+
+
+def merge_runs(
+    offsets: tuple[torch.Tensor, ...], length: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Merge neighbouring runs whose every offset continues where the previous run ended."""
+    m = length.numel()
+    if m <= 1:
+        return offsets, length
+    joins = torch.ones(m - 1, dtype=torch.bool)
+    for off in offsets:
+        joins &= off[1:] == off[:-1] + length[:-1]
+    if not bool(joins.any()):
+        return offsets, length
+    starts = torch.ones(m, dtype=torch.bool)
+    starts[1:] = ~joins
+    first = starts.nonzero().squeeze(1)
+    last = torch.cat([first[1:] - 1, torch.tensor([m - 1])])
+    total = length.cumsum(0)
+    merged = total[last] - total[first] + length[first]
+    return tuple(off[first] for off in offsets), merged
