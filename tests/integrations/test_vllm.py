@@ -212,7 +212,8 @@ def test_vllm_offline_example_runs() -> None:
 
 def test_connector_stats_report_interval_increases() -> None:
     from kvoffload import hash_token_blocks
-    from kvoffload.integrations.vllm import KVOffloadConnectorStats, _SchedulerHalf, parse_connector_config
+    from kvoffload.integrations.vllm import KVOffloadConnectorStats, parse_connector_config
+    from kvoffload.integrations.vllm._scheduler import _SchedulerHalf
     from tests.helpers import offloading_config
 
     config = offloading_config(extra_config={"cpu_bytes_to_use": 1 << 20})
@@ -270,7 +271,7 @@ def test_preempted_requests_decode_the_same_tokens(
 def test_chunk_size_that_is_not_a_block_multiple_is_rounded_up() -> None:
     from kvoffload import load_snapshot
     from kvoffload.errors import OffloadingConfigError
-    from kvoffload.integrations.vllm import _fit_chunk_size, _with_extra
+    from kvoffload.integrations.vllm._snapshot import _fit_chunk_size, _with_extra
 
     snapshot = load_snapshot(ROOT / "examples" / "llama-3.1-8b-tp2.json")  # vLLM block size 16
     extra = dict(snapshot.engine_config.kv_transfer_config.kv_connector_extra_config)  # type: ignore[union-attr]
