@@ -22,7 +22,7 @@ from kvoffload.offload.copy import (
     build_block_slots,
     build_transfer_layout,
 )
-from kvoffload.offload.host_pool import HostPool, plan_host_pool
+from kvoffload.offload.host_pool import HostPool, HostPoolPlan, plan_host_pool
 from kvoffload.offload.integrity import SEALED, TAGGED, key_tag
 
 PAGE = 64
@@ -283,12 +283,8 @@ def test_key_tag_is_stable_signed_and_never_zero() -> None:
     assert key_tag(b"abc") == key_tag(b"abc") != key_tag(b"abd")
 
 
-@pytest.mark.parametrize("layers", [1, 2])
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_big_jobs_hashed_in_shares_verify_every_slot(threads: int, layers: int) -> None:
-    # 24 blocks x 64 KiB pages: the copy helpers share the job. With one layer a copy run spans both
-    # sub-blocks of a chunk, so shares may only be cut between chunks.
-    page, blocks = 64 << 10, 24
+def _layer_major(layers: int, blocks: int, page: int) -> tuple[TransferLayout, HostPoolPlan]:
+    """A layer-major engine of ``layers`` layers and ``blocks`` blocks, and a 16-chunk pool of 2 blocks a chunk."""
     names = ("a", "b")[:layers]
     layout = build_transfer_layout(
         [Placement(size=layers * blocks * page, layers=names, layer_stride=blocks * page, block_stride=page)],
@@ -304,6 +300,16 @@ def test_big_jobs_hashed_in_shares_verify_every_slot(threads: int, layers: int) 
         replicated=False,
         rank=0,
     )
+    return layout, plan
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_big_jobs_hashed_in_shares_verify_every_slot(threads: int, layers: int) -> None:
+    # 24 blocks x 64 KiB pages: the copy helpers share the job. With one layer a copy run spans both
+    # sub-blocks of a chunk, so shares may only be cut between chunks.
+    page, blocks = 64 << 10, 24
+    layout, plan = _layer_major(layers, blocks, page)
     gen = torch.Generator().manual_seed(9)
     kv = torch.randint(0, 256, (layers * blocks * page,), dtype=torch.uint8, generator=gen)
     original = kv.clone()
@@ -331,21 +337,7 @@ def test_slots_bigger_than_a_hash_stretch_are_hashed_exactly(threads: int, layer
     # bytes are copied; the sealed checksums must equal a plain xxh3 of each sub-block, and a flipped byte
     # past the first stretch must fail the load.
     page, blocks = 160 << 10, 24
-    names = ("a", "b")[:layers]
-    layout = build_transfer_layout(
-        [Placement(size=layers * blocks * page, layers=names, layer_stride=blocks * page, block_stride=page)],
-        [[(name, page) for name in names]],
-        num_blocks=blocks,
-        worker_kv_bytes_per_block=layers * page,
-    )
-    plan = plan_host_pool(
-        worker_kv_bytes_per_block=layers * page,
-        world_size=1,
-        blocks_per_chunk=2,
-        cpu_bytes_to_use=16 * 2 * layers * page,
-        replicated=False,
-        rank=0,
-    )
+    layout, plan = _layer_major(layers, blocks, page)
     gen = torch.Generator().manual_seed(11)
     kv = torch.randint(0, 256, (layers * blocks * page,), dtype=torch.uint8, generator=gen)
     original = kv.clone()

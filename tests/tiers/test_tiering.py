@@ -200,21 +200,26 @@ def test_backpressure_drops_cascades_and_counts_them(tmp_path: Path) -> None:
         engine.close()
 
 
-def _valkey(url: str | None) -> TieringConfig:
-    return TieringConfig(secondary_tiers=(ValkeyTierConfig(url=url, n_read_threads=2, n_write_threads=2),))
-
-
-def test_two_engines_share_prefixes_through_valkey(valkey_server: ValkeyServer) -> None:
-    tiering = _valkey(server_url(valkey_server))
+def _shared_between_two_engines(tiering: TieringConfig, *, seed: int) -> None:
+    """What one engine stores through the tiers, a second engine (its own host pool) reloads byte for byte."""
     first, second = _Engine(tiering), _Engine(tiering)
     try:
-        first.compute("A", TOKENS, list(range(8)), seed=5)
+        first.compute("A", TOKENS, list(range(8)), seed=seed)
         expected = first.block_bytes(list(range(7)))
         hit, got = _reload(second)
         assert hit == 112 and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     finally:
         first.close()
         second.close()
+
+
+def _valkey(url: str | None) -> TieringConfig:
+    return TieringConfig(secondary_tiers=(ValkeyTierConfig(url=url, n_read_threads=2, n_write_threads=2),))
+
+
+def test_two_engines_share_prefixes_through_valkey(valkey_server: ValkeyServer) -> None:
+    tiering = _valkey(server_url(valkey_server))
+    _shared_between_two_engines(tiering, seed=5)
 
 
 def test_embedded_server_by_default(tmp_path: Path) -> None:
@@ -340,15 +345,7 @@ def test_every_tier_gets_every_chunk_and_pins_are_balanced(tmp_path: Path, valke
 def test_promotion_from_a_valkey_cluster(valkey_cluster: list[ValkeyServer]) -> None:
     url = f"valkey://127.0.0.1:{valkey_cluster[0].port}"
     tiering = TieringConfig(secondary_tiers=(ValkeyTierConfig(url=url, cluster=True),), tier_poll_interval_s=0.0)
-    first, second = _Engine(tiering), _Engine(tiering)
-    try:
-        first.compute("A", TOKENS, list(range(8)), seed=9)
-        expected = first.block_bytes(list(range(7)))
-        hit, got = _reload(second)
-        assert hit == 112 and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
-    finally:
-        first.close()
-        second.close()
+    _shared_between_two_engines(tiering, seed=9)
 
 
 def test_failing_tier_jobs_of_a_dead_worker_frees_promotions_and_pins(tmp_path: Path) -> None:
