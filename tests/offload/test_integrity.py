@@ -237,7 +237,7 @@ def test_shared_pool_keeps_one_table_per_rank_slot(engine_id: str) -> None:
     pools = [HostPool(_plan(world_size=2, rank=r), engine_id=engine_id) for r in (0, 1)]
     movers = [CopyEngine(kv, _layout(), pool) for kv, pool in zip(kvs, pools, strict=True)]
     try:
-        tag = [key_tag(b"shared")]
+        tag = [key_tag(b"one row, two ranks")]
         for mover in movers:
             assert _run(mover, 1, store=True, block_ids=[1], chunk_ids=[3], chunk_tags=tag).success
         for mover in movers:
