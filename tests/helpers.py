@@ -3,6 +3,7 @@ the scheduler's view of a KV cache config."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 
 import msgspec
@@ -86,3 +87,13 @@ def flatten_for_scheduler(kv_cache_config: KVCacheConfig) -> KVCacheConfig:
         for g in kv_cache_config.kv_cache_groups
     )
     return msgspec.structs.replace(kv_cache_config, kv_cache_groups=groups)
+
+
+def chained_hashes(tag: str, n: int) -> list[bytes]:
+    """``n`` prefix-chained fake block hashes (sha256 of the previous hash and ``tag:i``), like an engine's."""
+    out: list[bytes] = []
+    prev = b""
+    for i in range(n):
+        prev = hashlib.sha256(prev + f"{tag}:{i}".encode()).digest()
+        out.append(prev)
+    return out

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -30,15 +29,8 @@ from kvoffload.metrics import (
 from kvoffload.offload.keys import make_offload_key
 from kvoffload.offload.manager import HostBlockManager
 from kvoffload.offload.scheduler import OffloadScheduler
+from tests.helpers import chained_hashes as _hashes
 from tests.helpers import offloading_config
-
-
-def _hashes(tag: str, n: int) -> list[bytes]:
-    out, prev = [], b""
-    for i in range(n):
-        prev = hashlib.sha256(prev + f"{tag}:{i}".encode()).digest()
-        out.append(prev)
-    return out
 
 
 def _store(sched: OffloadScheduler, req: str, hs: list[bytes]) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 
 from kvoffload import BlockRemoved, ConfigError, InvalidStateError, JobResult, MissReason, WorkerReport
@@ -11,18 +9,10 @@ from kvoffload.offload.keys import make_offload_key
 from kvoffload.offload.manager import HostBlockManager
 from kvoffload.offload.scheduler import OffloadScheduler
 from kvoffload.packed import pack_int64, unpack_int64
+from tests.helpers import chained_hashes as hashes
 from tests.helpers import offloading_config
 
 TPC = 16  # tokens per chunk in these tests (block 16, one block per chunk, hash every 16 tokens)
-
-
-def hashes(tag: str, n: int) -> list[bytes]:
-    out: list[bytes] = []
-    prev = b""
-    for i in range(n):
-        prev = hashlib.sha256(prev + f"{tag}:{i}".encode()).digest()
-        out.append(prev)
-    return out
 
 
 def make(
