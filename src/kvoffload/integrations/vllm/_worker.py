@@ -51,7 +51,7 @@ class _WorkerHalf:
     worker: OffloadWorker | None = None
     pool: HostPool | None = None
     plan: StepPlan | None = None
-    started_step: int = -1
+    started: KVConnectorMetadata | None = None
     loads: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
     reports: list[bytes] = field(default_factory=list)
     failed_blocks: set[int] = field(default_factory=set)
@@ -89,11 +89,13 @@ class _WorkerHalf:
         """Before the forward pass: submit deferred stores, flush, submit this step's loads (once per step)."""
         if not isinstance(meta, KVOffloadConnectorMetadata):
             raise ConfigError(f"KVOffloadConnector got foreign connector metadata {type(meta).__name__}")
-        plan = wire.decode([meta.plan]).expect(StepPlan)
-        self.plan = plan
-        if self.started_step == plan.step:
+        if meta is self.started:  # handle_preemptions and start_load_kv both start the same step
             return
-        self.started_step = plan.step
+        plan = wire.decode([meta.plan]).expect(StepPlan)
+        self.started = meta
+        if self.plan is not None and self.plan.step == plan.step:
+            return  # the same step's metadata as another object
+        self.plan = plan
         for job in plan.load_jobs:
             self.loads[job.job_id] = (job.req_id, Int64Array.from_buffer(job.block_ids).tolist())
         self._worker().start_step(plan)
