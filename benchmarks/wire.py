@@ -86,6 +86,7 @@ class RawJob(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     block_ids: bytes
     chunk_ids: bytes
     sync: bool = False
+    chunk_tags: bytes = b""
 
 
 class RawPlan(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -95,6 +96,7 @@ class RawPlan(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     load_jobs: tuple[RawJob, ...]
     store_jobs: tuple[RawJob, ...]
     flush: bytes = b""
+    tier_jobs: tuple[msgspec.Raw, ...] = ()
 
 
 def make_plan(num_jobs: int, blocks: int) -> StepPlan:
