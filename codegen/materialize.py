@@ -21,14 +21,12 @@ from typing import Annotated, cast
 
 import msgspec
 
-from kvoffload.packed import Int32Bytes, Int64Bytes
+from kvoffload.packed import Buffer, Int32Bytes, Int64Bytes
 
 from .loader import Enum, Field, Schema, Struct, load_schema, member_name
 from .render import annotation
 
 __all__ = ["MaterializedSchema", "materialize"]
-
-Buffer = bytes | bytearray | memoryview
 
 _COUNTER = itertools.count()
 

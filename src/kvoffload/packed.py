@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "Buffer",
     "Int32Array",
     "Int32Bytes",
     "Int64Array",
@@ -41,8 +42,10 @@ Int32Bytes = NewType("Int32Bytes", bytes)
 Int64Bytes = NewType("Int64Bytes", bytes)
 """Little-endian packed int64 values: the Python type of an `array<int64>` field."""
 
+Buffer = bytes | bytearray | memoryview
+"""Any contiguous bytes-like object kvoffload reads: wire frames, packed arrays, codec input, tier records."""
+
 _LITTLE = sys.byteorder == "little"
-BufferLike = bytes | bytearray | memoryview
 
 
 class PackedIntArray:
@@ -73,7 +76,7 @@ class PackedIntArray:
         self._view = memoryview(packed)
 
     @classmethod
-    def from_buffer(cls, buffer: BufferLike) -> Self:
+    def from_buffer(cls, buffer: Buffer) -> Self:
         """View little-endian wire bytes as an array (zero-copy on little-endian hosts)."""
         raw = memoryview(buffer).cast("B")
         if raw.nbytes % cls._itemsize:
@@ -209,12 +212,12 @@ def pack_int64(values: Iterable[int] | torch.Tensor) -> Int64Bytes:
     return Int64Bytes(_pack(Int64Array, values))
 
 
-def unpack_int32(data: bytes | bytearray | memoryview) -> list[int]:
+def unpack_int32(data: Buffer) -> list[int]:
     """The values of an `array<int32>` field as Python ints (WireError if the length is not a multiple of 4)."""
     return Int32Array.from_buffer(data).tolist()
 
 
-def unpack_int64(data: bytes | bytearray | memoryview) -> list[int]:
+def unpack_int64(data: Buffer) -> list[int]:
     """The values of an `array<int64>` field as Python ints (WireError if the length is not a multiple of 8)."""
     return Int64Array.from_buffer(data).tolist()
 

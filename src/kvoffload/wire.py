@@ -43,6 +43,7 @@ from ._generated.types import (
     PeerRole,
 )
 from .errors import ArgumentTypeError, ConfigError, SchemaMismatchError, WireError
+from .packed import Buffer
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -61,9 +62,6 @@ __all__ = [
     "make_hello",
     "parse_header",
 ]
-
-Buffer = bytes | bytearray | memoryview
-"""Anything a frame may be: bytes-like objects (zmq frames and multiprocessing buffers are)."""
 
 _M = TypeVar("_M", bound=msgspec.Struct)
 

@@ -56,7 +56,7 @@ class Channel:
         self.max_attachment_bytes = max_attachment_bytes
         self._send_lock = threading.Lock()
 
-    def send(self, message: Message, attachments: Sequence[bytes | bytearray | memoryview] = ()) -> None:
+    def send(self, message: Message, attachments: Sequence[wire.Buffer] = ()) -> None:
         """Encode and send one message; raises WorkerError if the peer is gone."""
         frames = wire.encode(message, attachments)
         try:
