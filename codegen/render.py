@@ -197,6 +197,7 @@ def render(schema: Schema, *, source_name: str = "schema/kvoffload.toml") -> dic
         if (s.root or s.message_id is not None) and not s.abstract
     ]
     messages = [{"name": s.name, "id": s.message_id} for s in schema.messages]
+    root_expr = union_expr("Root", [r["name"] for r in roots])
     message_expr = union_expr("Message", [m.name for m in schema.messages])
     context = {
         "header": HEADER_NOTE.format(file=source_name),
@@ -207,6 +208,7 @@ def render(schema: Schema, *, source_name: str = "schema/kvoffload.toml") -> dic
         "roots": roots,
         "messages": messages,
         "message_expr": message_expr,
+        "root_expr": root_expr,
         "uses_int32": "array<int32>" in used,
         "uses_int64": "array<int64>" in used,
         "uses_annotated": any(f.constraints for s in schema.structs.values() for f in s.fields),

@@ -46,7 +46,7 @@ def test_the_examples_exist() -> None:
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_translate_example_json_and_toml(example: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    expected = json.loads(codecs.encode_json(translate_snapshot(load_snapshot(example))))
+    expected = json.loads(codecs.encode(translate_snapshot(load_snapshot(example)), format="json"))
 
     code, out, err = run(capsys, "translate", str(example))
     assert (code, err) == (0, "")

@@ -15,7 +15,7 @@ import kvoffload
 from codegen import Schema, load_schema
 from codegen.loader import Field
 from codegen.typeref import TypeRef
-from kvoffload import codecs
+from kvoffload import ArgumentTypeError, ConfigError, codecs
 from kvoffload._generated import types as gen
 from kvoffload.packed import Int32Array, Int64Array, pack_int32, pack_int64
 
@@ -104,10 +104,48 @@ def test_every_schema_type_is_generated() -> None:
 def test_round_trip(name: str, data: st.DataObject) -> None:
     cls = getattr(gen, name)
     value = data.draw(named(name))
-    packed = codecs.encode_msgpack(value)
+    packed = codecs.encode(value)
     assert msgspec.msgpack.decode(packed, type=cls) == value
-    text = codecs.encode_json(value)
+    text = codecs.encode(value, format="json")
     assert msgspec.json.decode(text, type=cls) == value
+
+
+ROOTS = [s.name for s in SCHEMA.structs.values() if (s.root or s.message_id is not None) and not s.abstract]
+
+
+@pytest.mark.parametrize("name", ROOTS)
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_codec_verbs_round_trip_every_top_level_type(name: str, data: st.DataObject) -> None:
+    cls = getattr(gen, name)
+    value = data.draw(named(name))
+    packed = codecs.encode(value)
+    assert packed == codecs.encode(value, format="msgpack") == msgspec.msgpack.encode(value)
+    assert codecs.decode(packed, cls) == value
+    assert codecs.decode(memoryview(packed), type=cls, format="msgpack") == value
+    text = codecs.encode(value, format="json")
+    assert text == msgspec.json.encode(value)
+    assert codecs.decode(text, cls, format="json") == value
+    assert codecs.decode(text.decode(), cls, format="json") == value
+    buffer = bytearray(b"head")
+    codecs.encode_into(value, buffer, 4)
+    assert buffer[:4] == b"head" and bytes(buffer[4:]) == packed
+    if (message_id := SCHEMA.structs[name].message_id) is not None:
+        assert codecs.MESSAGE_DECODERS[message_id](packed) == value
+
+
+def test_codec_verbs_name_an_unknown_type_or_format() -> None:
+    plan = gen.StepPlan(step=1, load_jobs=(), store_jobs=())
+    with pytest.raises(ArgumentTypeError, match=r"type=TransferJob is not a top-level type .*'StepPlan'"):
+        codecs.decode(b"", gen.TransferJob)  # type: ignore[type-var]  # a nested struct: decode it through its top-level type
+    with pytest.raises(ArgumentTypeError, match="type=TransferJob"):
+        codecs.decode(b"{}", gen.TransferJob, format="json")  # type: ignore[call-overload]
+    with pytest.raises(ConfigError, match=r"format must be one of \['msgpack', 'json'\], got 'yaml'"):
+        codecs.encode(plan, format="yaml")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="got 'yaml'"):
+        codecs.encode_into(plan, bytearray(), format="yaml")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="got 'yaml'"):
+        codecs.decode(codecs.encode(plan), gen.StepPlan, format="yaml")  # type: ignore[call-overload]
 
 
 def test_enum_alias_and_values() -> None:
@@ -135,9 +173,9 @@ def test_shared_samples_decode_and_reencode_losslessly(translate_cases: list[dic
     for case in translate_cases:
         raw = json.dumps(case["input"]).encode()
         snapshot = msgspec.json.decode(raw, type=kvoffload.EngineSnapshot)
-        again = codecs.encode_engine_snapshot_json(snapshot)
-        assert codecs.decode_engine_snapshot_json(again) == snapshot
-        assert codecs.decode_engine_snapshot_msgpack(codecs.encode_engine_snapshot_msgpack(snapshot)) == snapshot
+        again = codecs.encode(snapshot, format="json")
+        assert codecs.decode(again, kvoffload.EngineSnapshot, format="json") == snapshot
+        assert codecs.decode(codecs.encode(snapshot), kvoffload.EngineSnapshot) == snapshot
         _assert_subset(case["input"], json.loads(again), str(case["name"]))
 
 

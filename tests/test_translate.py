@@ -67,7 +67,7 @@ def _outcome(engine_config: EngineConfig, kv: KVCacheConfig) -> dict[str, Any]:
         config = build_offloading_config(engine_config, kv)
     except OffloadingConfigError as err:
         return {"error": err.vllm_exception, "message": str(err)}
-    return {"ok": json.loads(codecs.encode_json(config))}
+    return {"ok": json.loads(codecs.encode(config, format="json"))}
 
 
 def test_all_shared_cases_are_present() -> None:
@@ -76,7 +76,7 @@ def test_all_shared_cases_are_present() -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_shared_case_agrees_with_vllm(case: dict[str, Any]) -> None:
-    snapshot = codecs.decode_engine_snapshot_json(json.dumps(case["input"]))
+    snapshot = codecs.decode(json.dumps(case["input"]), EngineSnapshot, format="json")
     assert _outcome(snapshot.engine_config, snapshot.kv_cache_config) == case["expect"]
 
 
@@ -84,7 +84,7 @@ def test_shared_case_agrees_with_vllm(case: dict[str, Any]) -> None:
 def test_shared_case_scheduler_view_agrees(case: dict[str, Any]) -> None:
     """The flattened (scheduler) view gives the same answer, but for vLLM's documented per-process
     difference of is_parallelism_agnostic on a single wrapped group."""
-    snapshot = codecs.decode_engine_snapshot_json(json.dumps(case["input"]))
+    snapshot = codecs.decode(json.dumps(case["input"]), EngineSnapshot, format="json")
     wrapped = _outcome(snapshot.engine_config, snapshot.kv_cache_config)
     flat = _outcome(snapshot.engine_config, flatten_for_scheduler(snapshot.kv_cache_config))
     groups = snapshot.kv_cache_config.kv_cache_groups
@@ -95,11 +95,11 @@ def test_shared_case_scheduler_view_agrees(case: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=[c["name"] for c in CASES])
 def test_shared_case_explain_runs_the_same_path(case: dict[str, Any]) -> None:
-    snapshot = codecs.decode_engine_snapshot_json(json.dumps(case["input"]))
+    snapshot = codecs.decode(json.dumps(case["input"]), EngineSnapshot, format="json")
     explanation = explain_snapshot(snapshot)
     if "ok" in case["expect"]:
         assert explanation.config is not None and explanation.error is None
-        assert json.loads(codecs.encode_json(explanation.config)) == case["expect"]["ok"]
+        assert json.loads(codecs.encode(explanation.config, format="json")) == case["expect"]["ok"]
         cfg = explanation.config
         assert explanation.find("replicated_layout").value is cfg.replicated_layout
         assert explanation.find("is_parallelism_agnostic").value is cfg.parallel.is_parallelism_agnostic
@@ -1014,7 +1014,7 @@ def _snapshots(draw: st.DrawFn) -> dict[str, object]:
 @given(doc=_snapshots())
 def test_any_decodable_snapshot_translates_or_raises_config_error(doc: dict[str, object]) -> None:
     try:
-        snapshot = codecs.decode_engine_snapshot_json(json.dumps(doc))
+        snapshot = codecs.decode(json.dumps(doc), EngineSnapshot, format="json")
     except msgspec.ValidationError:
         return  # not a valid snapshot: out of scope here
     views = [snapshot.kv_cache_config]
@@ -1035,7 +1035,7 @@ def test_any_decodable_snapshot_translates_or_raises_config_error(doc: dict[str,
         assert result.cache.blocks_per_chunk >= 1 and result.cache.tokens_per_hash >= 1
         assert all(g.tokens_per_block % result.cache.tokens_per_hash == 0 for g in result.groups)
         # The output round-trips through the strict decoder (its constraints hold).
-        assert codecs.decode_offloading_config_json(codecs.encode_json(result)) == result
+        assert codecs.decode(codecs.encode(result, format="json"), OffloadingConfig, format="json") == result
         assert explain_offloading_config(snapshot.engine_config, kv).config == result
 
 

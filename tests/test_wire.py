@@ -148,7 +148,7 @@ def test_header_layout() -> None:
     assert frame[4] == MAJOR and frame[5] == MINOR and frame[6] == 0
     assert frame[7] == Shutdown.MESSAGE_ID
     assert frame[8:16] == LOCAL_FP
-    body = codecs.encode_msgpack(SAMPLES["shutdown"])
+    body = codecs.encode(SAMPLES["shutdown"])
     assert int.from_bytes(frame[16:20], "little") == len(body)
     assert frame[wire.HEADER_SIZE :] == body
     header = wire.parse_header(frame)
@@ -212,7 +212,7 @@ def test_bad_magic() -> None:
 
 
 def test_other_major_is_a_schema_mismatch_naming_both_versions() -> None:
-    body = codecs.encode_msgpack(SAMPLES["step_plan"])
+    body = codecs.encode(SAMPLES["step_plan"])
     frame = with_header(body, major=MAJOR + 1, minor=4)
     with pytest.raises(SchemaMismatchError) as info:
         wire.decode([frame])
@@ -230,7 +230,7 @@ def test_unknown_kind() -> None:
 
 
 def test_unknown_critical_flag_is_refused_and_advisory_flags_are_ignored() -> None:
-    body = codecs.encode_msgpack(SAMPLES["step_plan"])
+    body = codecs.encode(SAMPLES["step_plan"])
     with pytest.raises(WireError, match="unsupported header flags 0x04"):
         wire.decode([with_header(body, flags=0x04)])
     assert wire.decode([with_header(body, flags=0x30)]).message == SAMPLES["step_plan"]
@@ -267,13 +267,13 @@ def test_corrupted_body() -> None:
     with pytest.raises(WireError, match="corrupted StepPlan body from schema"):
         wire.decode([with_header(b"\xc1\xc1\xc1")])  # 0xc1 is never valid msgpack
     # Well-formed msgpack of the wrong shape: a WorkerReport body under the StepPlan kind.
-    body = codecs.encode_msgpack(SAMPLES["worker_report"])
+    body = codecs.encode(SAMPLES["worker_report"])
     with pytest.raises(WireError, match="corrupted StepPlan body"):
         wire.decode([with_header(body)])
     # A packed int64 array whose length is not a multiple of 8.
     plan = SAMPLES["step_plan"]
     assert isinstance(plan, StepPlan)
-    good = codecs.encode_msgpack(plan)
+    good = codecs.encode(plan)
     flush = plan.flush
     bad = good.replace(b"\xc4\x10" + flush, b"\xc4\x0f" + flush[:-1])
     assert bad != good
@@ -351,7 +351,7 @@ def test_future_minor_with_extra_trailing_fields_decodes() -> None:
     assert isinstance(current, StepPlan)
     jobs = tuple(job_cls(**msgspec.structs.asdict(j)) for j in current.load_jobs)
     newer = plan_cls(step=current.step, load_jobs=jobs, store_jobs=(), flush=current.flush, priority=9, tags=("a",))
-    body = codecs.encode_msgpack(newer)
+    body = codecs.encode(newer)
     fingerprint = bytes.fromhex(future.schema.fingerprint)
     decoded = wire.decode([with_header(body, minor=FUTURE_MINOR, fingerprint=fingerprint)])
     assert decoded.compatible
@@ -365,7 +365,7 @@ def test_future_minor_hello_with_an_unknown_key_decodes() -> None:
     future = future_schema()
     hello = SAMPLES["hello"]
     newer = future.struct("Hello")(**msgspec.structs.asdict(hello), hostname="node-7")
-    body = codecs.encode_msgpack(newer)
+    body = codecs.encode(newer)
     frame = with_header(body, minor=FUTURE_MINOR, kind=Hello.MESSAGE_ID, fingerprint=b"\xff" * 8)
     assert wire.decode([frame]).message == hello
 
@@ -373,7 +373,7 @@ def test_future_minor_hello_with_an_unknown_key_decodes() -> None:
 def test_older_build_without_a_trailing_field_gets_the_default() -> None:
     past = past_schema()
     plan = past.struct("StepPlan")(step=3, load_jobs=(), store_jobs=())
-    body = codecs.encode_msgpack(plan)
+    body = codecs.encode(plan)
     assert body == b"\x93\x03\x90\x90"  # three positions: step, load_jobs, store_jobs
     frame = with_header(body, fingerprint=bytes.fromhex(past.schema.fingerprint))
     decoded = wire.decode([frame])
@@ -556,7 +556,7 @@ def test_handshake_with_a_future_minor_is_compatible() -> None:
     future = future_schema()
     hello = worker(schema_version=FUTURE_VERSION, fingerprint=future.schema.fingerprint)
     remote = future.struct("Hello")(**msgspec.structs.asdict(hello), hostname="h")
-    body = codecs.encode_msgpack(remote)
+    body = codecs.encode(remote)
     inbox = Pipe()
     fingerprint = bytes.fromhex(future.schema.fingerprint)
     inbox.send([with_header(body, minor=FUTURE_MINOR, kind=Hello.MESSAGE_ID, fingerprint=fingerprint)])
@@ -569,7 +569,7 @@ def test_handshake_with_a_future_minor_is_compatible() -> None:
 
 def test_handshake_with_another_major_raises_schema_mismatch() -> None:
     inbox = Pipe()
-    body = codecs.encode_msgpack(worker())
+    body = codecs.encode(worker())
     inbox.send([with_header(body, major=MAJOR + 1, minor=0, kind=Hello.MESSAGE_ID)])
     with pytest.raises(SchemaMismatchError) as info:
         wire.handshake(lambda frames: None, inbox.recv, scheduler(), timeout=1.0)

@@ -316,7 +316,7 @@ def _format_config(config: OffloadingConfig, fmt: str) -> str:
         if not isinstance(data, dict):  # pragma: no cover - a Struct always becomes a dict
             raise ConfigError("cannot render the config as TOML")
         return to_toml(data)
-    return msgspec.json.format(codecs.encode_json(config), indent=2).decode() + "\n"
+    return msgspec.json.format(codecs.encode(config, format="json"), indent=2).decode() + "\n"
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -2,9 +2,9 @@
 
 A snapshot is what ``kvoffload translate`` reads (JSON or TOML with vLLM's own attribute names); live engines
 produce one through their integration (``kvoffload.integrations.vllm.snapshot_from_vllm``) and write it with
-``kvoffload.codecs.encode_json``. Loading never trusts the file: its size is capped before reading on, a
-document nested too deeply is refused, and every failure is one :class:`~kvoffload.errors.ConfigError` line that
-names the file, the field path and the bad value.
+``kvoffload.codecs.encode(snapshot, format="json")``. Loading never trusts the file: its size is capped before
+reading on, a document nested too deeply is refused, and every failure is one
+:class:`~kvoffload.errors.ConfigError` line that names the file, the field path and the bad value.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _decode_snapshot(file: Path, raw: bytes) -> EngineSnapshot:
         except (TypeError, msgspec.EncodeError) as exc:  # pragma: no cover - tomllib yields JSON-able values
             raise ConfigError(f"{file}: unsupported TOML value: {exc}") from exc
     try:
-        return codecs.decode_engine_snapshot_json(raw)
+        return codecs.decode(raw, EngineSnapshot, format="json")
     except msgspec.ValidationError as exc:
         if document is None:
             try:

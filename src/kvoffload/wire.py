@@ -98,7 +98,7 @@ if len(_LOCAL_FINGERPRINT) != 8:  # pragma: no cover - the generator emits 16 he
 _KIND_OF: Final[dict[type[msgspec.Struct], int]] = {cls: kind for kind, cls in MESSAGE_TYPES.items()}
 _DECODERS: Final = codecs.MESSAGE_DECODERS
 _KIND_NAMES: Final = {kind: cls.__name__ for kind, cls in MESSAGE_TYPES.items()}
-_encode_into: Final = codecs.encode_msgpack_into
+_encode_into: Final = codecs.encode_into
 
 
 class Header(msgspec.Struct, frozen=True, gc=False):

@@ -158,7 +158,7 @@ def write(root: Path) -> Path:
                 "type": type(msg).__name__,
                 "kind": type(msg).MESSAGE_ID,
                 "frames": files,
-                "json": json.loads(codecs.encode_json(msg)),
+                "json": json.loads(codecs.encode(msg, format="json")),
             }
         )
     manifest["messages"] = entries

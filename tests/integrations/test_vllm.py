@@ -120,7 +120,7 @@ def test_live_snapshot_translates_to_the_connectors_plan(connector_run: tuple[di
     expected = json.loads((out / "connector_config.json").read_text())
     assert json.loads(cli.stdout) == expected
     snapshot = msgspec.json.decode(snapshot_file.read_bytes(), type=EngineSnapshot)
-    assert json.loads(codecs.encode_json(translate_snapshot(snapshot))) == expected
+    assert json.loads(codecs.encode(translate_snapshot(snapshot), format="json")) == expected
 
 
 def test_multiprocess_engine_serves_prefix_from_host(

@@ -134,7 +134,7 @@ def connector(model: str, out: Path, load_mode: str) -> dict[str, Any]:
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     snapshot = snapshot_from_vllm(llm.llm_engine.vllm_config, scheduler.kv_cache_config)
     (out / "snapshot.json").write_bytes(msgspec.json.encode(snapshot))
-    (out / "connector_config.json").write_bytes(codecs.encode_json(scheduler.connector.offloading_config))
+    (out / "connector_config.json").write_bytes(codecs.encode(scheduler.connector.offloading_config, format="json"))
 
     # 5. Corrupt every host chunk (one byte each, in the float's exponent): loads must fail and recompute.
     from vllm.distributed.kv_transfer import get_kv_transfer_group

@@ -138,7 +138,7 @@ class WorkerCluster:
         # The name carries this process's pid: if it is SIGKILLed, a later start sweeps the file away.
         pool_id = owned_pool_id(f"{self.engine_id}-{uuid.uuid4().hex[:12]}") if shared_pool else None
         self._pool_id = pool_id
-        snapshot_json = codecs.encode_engine_snapshot_json(snapshot).decode()
+        snapshot_json = codecs.encode(snapshot, format="json").decode()
         self._specs = [
             WorkerSpec(
                 rank=rank,

@@ -158,7 +158,7 @@ def _memcpy_gbps(nbytes: int) -> float:
 
 
 def _open_session(spec: WorkerSpec) -> _Session:
-    snapshot = codecs.decode_engine_snapshot_json(spec.snapshot_json)
+    snapshot = codecs.decode(spec.snapshot_json, EngineSnapshot, format="json")
     ranked, config = rank_config(snapshot, spec.rank)
     layout = transfer_layout_from_config(ranked.kv_cache_config, config)
     kv = torch.zeros(layout.engine_bytes, dtype=torch.uint8)
@@ -270,7 +270,7 @@ def run_worker(conn: Connection, spec_json: bytes) -> None:
             raise _SchedulerGone("shut down before the handshake")  # the scheduler gave up while starting
         if not isinstance(first, Hello):
             raise WireError(f"expected Hello first, got {type(first).__name__}")
-        snapshot = codecs.decode_engine_snapshot_json(spec.snapshot_json)
+        snapshot = codecs.decode(spec.snapshot_json, EngineSnapshot, format="json")
         transfer = snapshot.engine_config.kv_transfer_config
         engine_id = (transfer.engine_id if transfer else None) or "kvoffload"
         local = wire.make_hello(PeerRole.WORKER, spec.rank, spec.world_size, engine_id)
