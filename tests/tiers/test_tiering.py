@@ -23,8 +23,9 @@ from kvoffload.offload.host_pool import HostPool, plan_host_pool_from_config
 from kvoffload.offload.keys import hash_token_blocks
 from kvoffload.offload.manager import HostBlockManager
 from kvoffload.offload.worker import OffloadWorker
-from kvoffload.tiers.cascade import TieredScheduler, TierWorker, start_embedded_servers
+from kvoffload.tiers.cascade import TieredScheduler, start_embedded_servers
 from kvoffload.tiers.config import tiering_config_from_extra
+from kvoffload.tiers.worker import TierWorker
 from kvoffload.translate import translate_snapshot
 from tests.tiers.conftest import server_url, stop_server
 

@@ -17,7 +17,7 @@ from ..packed import Int32Array, Int64Array, pack_int64
 from .copy import CopyEngine
 
 if TYPE_CHECKING:
-    from ..tiers.cascade import TierWorker
+    from ..tiers.worker import TierWorker
 
 __all__ = ["OffloadWorker"]
 

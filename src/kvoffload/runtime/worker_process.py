@@ -167,7 +167,7 @@ def _open_session(spec: WorkerSpec) -> _Session:
     try:
         engine = CopyEngine(kv, layout, pool, cpu_threads=spec.torch_threads, checksums=spec.checksums)
         if spec.tiering_json is not None:
-            from ..tiers.cascade import TierWorker
+            from ..tiers.worker import TierWorker
 
             tiering = msgspec.json.decode(spec.tiering_json, type=TieringConfig)
             tiers = TierWorker(tiering, config, pool, checksums=spec.checksums)

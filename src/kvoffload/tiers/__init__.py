@@ -19,11 +19,12 @@ from .._generated import (
 )
 from .backpressure import BackpressureSettings, EMABackpressureDetector, resolve_backpressure
 from .base import SecondaryTier, TierBase, TierStats
-from .cascade import TieredScheduler, TierStatsRow, TierWorker, start_embedded_servers
+from .cascade import TieredScheduler, TierStatsRow, start_embedded_servers
 from .config import open_tier, tier_from_cli, tiering_config_from_extra
 from .fs import FsTier
 from .namespace import Namespace, namespace_for, namespaces_for_all_ranks
 from .valkey import EmbeddedValkey, ValkeyTier
+from .worker import TierWorker
 
 __all__ = [
     "BackpressureConfig",

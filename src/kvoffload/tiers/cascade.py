@@ -2,13 +2,13 @@
 
 Where the work runs, and why: kvoffload's host pool rows live in the worker processes (one ``HostPool`` per
 rank, or one shared ``/dev/shm`` region), so the tier IO runs in each worker on its own rows
-(:class:`TierWorker`), reading and writing its own namespace (rank-specific unless the layout is
-replicated). The scheduler decides (:class:`TieredScheduler`); it ships the decisions as ``TierJob`` lists on
-the ``StepPlan`` and gets ``TierJobResult`` lists back on each ``WorkerReport``, like copy jobs. A tier chunk
-counts as present only when every rank's namespace has it. Lookups are metadata queries (a stat, an EXISTS)
-that the scheduler runs itself, on a background thread.
+(:class:`~kvoffload.tiers.worker.TierWorker`), reading and writing its own namespace (rank-specific unless the
+layout is replicated). The scheduler decides (:class:`TieredScheduler`, this module); it ships the decisions as
+``TierJob`` lists on the ``StepPlan`` and gets ``TierJobResult`` lists back on each ``WorkerReport``, like copy
+jobs. A tier chunk counts as present only when every rank's namespace has it. Lookups are metadata queries (a
+stat, an EXISTS) that the scheduler runs itself, on a background thread.
 
-Semantics (reference §6):
+Semantics (vLLM 0.33's):
 
 * **Cascade.** Every chunk whose store to the host completes is cascaded to every tier: the host chunk is
   pinned (``prepare_load``) until every rank reported the tier job, so it is never evicted while read.
@@ -26,14 +26,12 @@ are polled at each step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import cast
 
 import msgspec
-import torch
 
 from .._generated import (
     FsTierConfig,
@@ -46,19 +44,17 @@ from .._generated import (
     ValkeyTierConfig,
     WorkerReport,
 )
-from ..errors import ConfigError, InvalidStateError
-from ..offload.host_pool import HostPool
-from ..offload.integrity import BlockSlots, key_tags
+from ..errors import InvalidStateError
 from ..offload.manager import HostBlockManager
 from ..offload.scheduler import OffloadScheduler, ReportOutcome
-from ..packed import Int32Array, Int64Array, pack_int32, pack_int64
+from ..packed import Int32Array, pack_int64
 from .backpressure import EMABackpressureDetector, resolve_backpressure
 from .base import SecondaryTier
 from .config import open_tier
-from .namespace import namespace_for, namespaces_for_all_ranks
+from .namespace import namespaces_for_all_ranks
 from .valkey import EmbeddedValkey
 
-__all__ = ["TierStatsRow", "TierWorker", "TieredScheduler", "start_embedded_servers"]
+__all__ = ["TierStatsRow", "TieredScheduler", "start_embedded_servers"]
 
 
 def start_embedded_servers(
@@ -435,136 +431,3 @@ class TieredScheduler(OffloadScheduler):
             for tier in per_rank:
                 tier.close()
         self._lookup_tiers = []
-
-
-class TierWorker:
-    """One rank's side of the tiers: runs the StepPlan's tier jobs on this rank's host rows.
-
-    A cascade reads rows into the tier, a promotion writes tier records into rows (verified first). With a
-    replicated layout only rank 0 cascades (every rank's rows are identical), and a shared pool's rows are
-    promoted by its writer only; other ranks report those jobs done at once.
-
-    Host integrity holds across tiers: a cascade first verifies each row's key tag and checksum in the pool's
-    integrity table (a corrupted host chunk is never written out under a fresh record checksum: that key
-    fails), and a promotion invalidates the rows' entries when it starts and seals them with the key's tag
-    and the promoted bytes' checksum when its record has verified, so the load that follows checks them.
-    """
-
-    def __init__(
-        self, tiering: TieringConfig, config: OffloadingConfig, pool: HostPool, *, checksums: bool = True
-    ) -> None:
-        if any(isinstance(t, ValkeyTierConfig) and not t.url for t in tiering.secondary_tiers):
-            raise ConfigError("a valkey tier needs its url in the workers (start_embedded_servers fills it in)")
-        self.rank = config.parallel.rank
-        self.namespace = namespace_for(config, self.rank, row_bytes=pool.plan.slot_bytes)
-        self._rows = pool.slot_rows()
-        self._cascades = not config.replicated_layout or self.rank == 0
-        self._promotes = pool.writes
-        self.tiers: list[SecondaryTier] = []
-        try:
-            for tier_config in tiering.secondary_tiers:
-                self.tiers.append(open_tier(tier_config, self.namespace))
-        except BaseException:
-            self.close()
-            raise
-        self._jobs: dict[int, int] = {}  # tier job id -> tier index
-        self._done: list[TierJobResult] = []
-        self._pool = pool
-        self._checksums = checksums
-        self._host = memoryview(cast("bytearray", pool.rows.reshape(-1).numpy()))
-        # tier job id -> (is_promotion, chunk ids, tags, job index of each submitted key, indices failed at submit)
-        self._submitted: dict[int, tuple[bool, list[int], list[int], list[int], list[int]]] = {}
-
-    def _slots(self, chunks: Sequence[int], tags: Sequence[int]) -> BlockSlots:
-        """Every sub-block of this rank's slot in ``chunks``, expected to hold the keys tagged ``tags``."""
-        pool, table = self._pool, self._pool.integrity
-        bpc = pool.plan.blocks_per_chunk
-        wkb = pool.plan.worker_kv_bytes_per_block
-        chunk_ids = torch.tensor(chunks, dtype=torch.int64).repeat_interleave(bpc)
-        subs = torch.arange(bpc, dtype=torch.int64).repeat(len(chunks))
-        host = chunk_ids * pool.row_bytes + pool.slot_offset + subs * wkb
-        chunk_np = chunk_ids.numpy()
-        return BlockSlots(
-            entries=table.entry_index(chunk_np, subs.numpy()),
-            chunk_ids=chunk_np,
-            host_offsets=host.tolist(),
-            lengths=[wkb] * len(chunk_np),
-            tags=torch.tensor(tags, dtype=torch.int64).repeat_interleave(bpc).numpy(),
-        )
-
-    def submit(self, jobs: Sequence[TierJob]) -> None:
-        """Start the tier jobs of a step plan (returns at once)."""
-        for job in jobs:
-            act = self._promotes if job.is_promotion else self._cascades
-            if job.tier >= len(self.tiers):
-                bad = pack_int32(range(len(job.keys)))
-                self._done.append(TierJobResult(job_id=job.job_id, failed=bad))
-                continue
-            if not act:  # another rank does this job's IO
-                self._done.append(TierJobResult(job_id=job.job_id))
-                continue
-            chunks = Int64Array.from_buffer(job.chunk_ids).tolist()
-            tags = key_tags(job.keys)
-            keep = list(range(len(job.keys)))
-            failed_now: list[int] = []
-            if job.is_promotion:
-                self._pool.integrity.invalidate(self._slots(chunks, tags))
-            elif chunks:
-                slots = self._slots(chunks, tags)
-                corrupt = set(self._pool.integrity.verify(slots, self._host, checksums=self._checksums))
-                failed_now = [i for i, c in enumerate(chunks) if c in corrupt]
-                keep = [i for i, c in enumerate(chunks) if c not in corrupt]
-            self._submitted[job.job_id] = (job.is_promotion, chunks, tags, keep, failed_now)
-            views = [_row_view(self._rows[chunks[i]]) for i in keep]
-            keys = [job.keys[i] for i in keep]
-            tier = self.tiers[job.tier]
-            if job.is_promotion:
-                tier.submit_load(job.job_id, keys, views)
-            else:
-                tier.submit_store(job.job_id, keys, views)
-            self._jobs[job.job_id] = job.tier
-
-    def poll(self) -> list[TierJobResult]:
-        """Tier jobs finished since the last call."""
-        out, self._done = self._done, []
-        for tier in self.tiers:
-            for r in tier.get_finished():
-                self._jobs.pop(r.job_id, None)
-                failed = self._settle(r.job_id, list(r.failed))
-                out.append(
-                    TierJobResult(job_id=r.job_id, failed=pack_int32(failed), num_bytes=r.num_bytes, seconds=r.seconds)
-                )
-        return out
-
-    def _settle(self, job_id: int, tier_failed: list[int]) -> list[int]:
-        """Job indices of the failed keys; seals the host entries of the keys a promotion brought in."""
-        entry = self._submitted.pop(job_id, None)
-        if entry is None:
-            return tier_failed
-        is_promotion, chunks, tags, keep, failed_now = entry
-        failed = sorted({keep[i] for i in tier_failed} | set(failed_now))
-        if is_promotion:
-            done = sorted(set(range(len(chunks))) - set(failed))
-            if done:
-                slots = self._slots([chunks[i] for i in done], [tags[i] for i in done])
-                self._pool.integrity.seal(slots, self._host, checksums=self._checksums)
-        return failed
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Wait for every tier job in flight."""
-        ok = True
-        for t, tier in enumerate(self.tiers):
-            ids = [j for j, tt in self._jobs.items() if tt == t]
-            ok = tier.wait(ids, timeout) and ok
-        return ok
-
-    def close(self) -> None:
-        """Finish in-flight tier jobs and close the tiers."""
-        for tier in self.tiers:
-            tier.close()
-        self.tiers = []
-
-
-def _row_view(row: torch.Tensor) -> memoryview:
-    """A writable memoryview of one contiguous host row (no copy)."""
-    return memoryview(cast("bytearray", row.numpy()))

@@ -22,7 +22,7 @@ from ...offload.copy import CopyEngine, transfer_layout_from_config
 from ...offload.host_pool import HostPool, plan_host_pool_from_config
 from ...offload.worker import OffloadWorker
 from ...packed import Int64Array
-from ...tiers.cascade import TierWorker
+from ...tiers.worker import TierWorker
 from ._messages import (
     KVOffloadConnectorMetadata,
     KVOffloadWorkerMetadata,
