@@ -17,7 +17,7 @@ from collections.abc import Collection, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from kvoffload._generated import MissReason
+from kvoffload._generated import Medium, MissReason
 from kvoffload.errors import ConfigError, InvalidStateError
 from kvoffload.offload.policy import CachePolicy, make_policy
 
@@ -69,7 +69,7 @@ class OffloadEvent:
 
     keys: tuple[bytes, ...]
     removed: bool
-    medium: str = "CPU"
+    medium: Medium = Medium.CPU
     metadata_only: bool = False
 
 

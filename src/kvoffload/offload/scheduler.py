@@ -33,7 +33,6 @@ from .._generated import (
     BlockRemoved,
     BlockStored,
     KVEvent,
-    Medium,
     MissReason,
     OffloadingConfig,
     StepPlan,
@@ -845,7 +844,7 @@ class OffloadScheduler:
         for event in self.manager.take_events():
             if event.metadata_only:
                 continue
-            medium = Medium(event.medium)
+            medium = event.medium
             by_group: dict[int, list[bytes]] = {}
             for key in event.keys:
                 by_group.setdefault(offload_key_group(key), []).append(offload_key_hash(key))
