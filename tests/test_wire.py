@@ -37,6 +37,7 @@ from kvoffload import (
 )
 from kvoffload._generated.types import MESSAGE_TYPES, Message
 from kvoffload.packed import pack_int32, pack_int64, unpack_int64
+from kvoffload.snapshot import load_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_TEXT = (ROOT / "schema" / "kvoffload.toml").read_text()
@@ -459,6 +460,17 @@ def test_make_hello() -> None:
     assert (hello.rank, hello.world_size, hello.engine_id) == (1, 2, "engine-0")
     assert hello.pid > 0
     assert wire.make_hello(PeerRole.SCHEDULER, 0, 4, "e").role is PeerRole.SCHEDULER
+
+
+def test_engine_id_of_a_snapshot_or_the_default() -> None:
+    snapshot = load_snapshot(ROOT / "examples" / "llama-3.1-8b-tp2.json")
+    assert wire.engine_id_of(snapshot) == "llama-8b-tp2-dp0"
+    transfer = snapshot.engine_config.kv_transfer_config
+    assert transfer is not None
+    for unnamed in (None, msgspec.structs.replace(transfer, engine_id=None)):
+        bare = msgspec.structs.replace(snapshot.engine_config, kv_transfer_config=unnamed)
+        assert wire.engine_id_of(msgspec.structs.replace(snapshot, engine_config=bare)) == "kvoffload"
+    assert wire.DEFAULT_ENGINE_ID == "kvoffload"
 
 
 @pytest.mark.parametrize(

@@ -51,7 +51,7 @@ class KVEventPublisher:
         self,
         endpoint: str,
         *,
-        engine_id: str = "kvoffload",
+        engine_id: str = wire.DEFAULT_ENGINE_ID,
         topic: bytes = DEFAULT_TOPIC,
         hwm: int = 10_000,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,

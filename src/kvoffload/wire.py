@@ -38,6 +38,7 @@ from ._generated.types import (
     MESSAGE_TYPES,
     SCHEMA_FINGERPRINT,
     SCHEMA_VERSION,
+    EngineSnapshot,
     Hello,
     Message,
     PeerRole,
@@ -46,6 +47,7 @@ from .errors import ArgumentTypeError, ConfigError, SchemaMismatchError, WireErr
 from .packed import Buffer
 
 __all__ = [
+    "DEFAULT_ENGINE_ID",
     "DEFAULT_MAX_BODY_BYTES",
     "HEADER_SIZE",
     "LOCAL_MAJOR",
@@ -58,6 +60,7 @@ __all__ = [
     "check_hello",
     "decode",
     "encode",
+    "engine_id_of",
     "handshake",
     "make_hello",
     "parse_header",
@@ -284,6 +287,19 @@ class HandshakeResult:
     def remote_version(self) -> str:
         """The peer's schema version."""
         return self.remote.schema_version
+
+
+DEFAULT_ENGINE_ID: Final = "kvoffload"
+"""The engine id of an engine whose snapshot names none (a Hello and a KV event batch always carry one)."""
+
+
+def engine_id_of(snapshot: EngineSnapshot) -> str:
+    """The engine id the snapshot's connector config names, or DEFAULT_ENGINE_ID when it names none.
+
+    The scheduler and every worker derive it the same way, so their Hellos agree.
+    """
+    transfer = snapshot.engine_config.kv_transfer_config
+    return (transfer.engine_id if transfer else None) or DEFAULT_ENGINE_ID
 
 
 def make_hello(role: PeerRole | str, rank: int, world_size: int, engine_id: str) -> Hello:

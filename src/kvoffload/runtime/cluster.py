@@ -125,8 +125,7 @@ class WorkerCluster:
         self.world_size = world if workers is None else workers
         if self.world_size != world:
             raise ConfigError(f"workers={workers} differs from parallel_config.world_size={world} of the snapshot")
-        transfer = snapshot.engine_config.kv_transfer_config
-        self.engine_id = (transfer.engine_id if transfer else None) or "kvoffload"
+        self.engine_id = wire.engine_id_of(snapshot)
         self.snapshot = snapshot
         self.step_timeout_s = float(step_timeout_s)
         self.start_timeout_s = float(start_timeout_s)

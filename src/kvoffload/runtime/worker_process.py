@@ -271,9 +271,7 @@ def run_worker(conn: Connection, spec_json: bytes) -> None:
         if not isinstance(first, Hello):
             raise WireError(f"expected Hello first, got {type(first).__name__}")
         snapshot = codecs.decode(spec.snapshot_json, EngineSnapshot, format="json")
-        transfer = snapshot.engine_config.kv_transfer_config
-        engine_id = (transfer.engine_id if transfer else None) or "kvoffload"
-        local = wire.make_hello(PeerRole.WORKER, spec.rank, spec.world_size, engine_id)
+        local = wire.make_hello(PeerRole.WORKER, spec.rank, spec.world_size, wire.engine_id_of(snapshot))
         try:
             wire.check_hello(local, first)
         except WireError:
