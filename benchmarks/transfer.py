@@ -23,7 +23,8 @@ from functools import partial
 import torch
 
 from kvoffload.offload.copy import CopyEngine, Placement, build_transfer_layout
-from kvoffload.offload.host_pool import HostPool, plan_host_pool
+from kvoffload.offload.host_pool import HostPool
+from kvoffload.offload.pool_plan import plan_host_pool
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

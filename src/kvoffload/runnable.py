@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from ._generated import EngineSnapshot, OffloadingConfig
 from .errors import ConfigError, HostMemoryError
-from .offload.host_pool import plan_host_pool_from_config
 from .offload.policy import available_policies
+from .offload.pool_plan import plan_host_pool_from_config
 
 __all__ = ["validate_runnable"]
 

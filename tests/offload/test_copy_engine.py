@@ -29,7 +29,8 @@ from kvoffload.offload.copy import (
     cpu,
     cuda,
 )
-from kvoffload.offload.host_pool import HostPool, plan_host_pool
+from kvoffload.offload.host_pool import HostPool
+from kvoffload.offload.pool_plan import plan_host_pool
 from tests.helpers import offloading_config
 
 # -- engine memory descriptions and the plain reference model ------------------------------------------

@@ -22,8 +22,9 @@ from kvoffload.offload.copy import (
     build_block_slots,
     build_transfer_layout,
 )
-from kvoffload.offload.host_pool import HostPool, HostPoolPlan, plan_host_pool
+from kvoffload.offload.host_pool import HostPool
 from kvoffload.offload.integrity import SEALED, TAGGED, key_tag
+from kvoffload.offload.pool_plan import HostPoolPlan, plan_host_pool
 
 PAGE = 64
 BLOCKS = 16

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .manager import LookupResult
+from .manager_results import LookupResult
 
 __all__ = ["maximal_prefix_lookup", "sliding_window_lookup"]
 

@@ -50,7 +50,8 @@ from ..errors import ConfigError, InvalidStateError
 from ..offload.host_pool import HostPool
 from ..offload.integrity import BlockSlots, key_tags
 from ..offload.manager import HostBlockManager
-from ..offload.scheduler import OffloadScheduler, ReportOutcome
+from ..offload.scheduler import OffloadScheduler
+from ..offload.scheduler_results import ReportOutcome
 from ..packed import Int32Array, Int64Array, pack_int32, pack_int64
 from .backpressure import EMABackpressureDetector, resolve_backpressure
 from .base import SecondaryTier
