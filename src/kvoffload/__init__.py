@@ -77,7 +77,7 @@ from .errors import (
     WireError,
     WorkerError,
 )
-from .offload.keys import hash_token_blocks, make_offload_key
+from .offload.keys import BlockHash, OffloadKey, hash_token_blocks, make_offload_key
 from .offload.manager import HostBlockManager
 from .offload.manager_results import LookupResult, ManagerStats, OffloadEvent, StorePlan
 from .offload.misses import ChunkMiss
@@ -148,6 +148,7 @@ __all__ = [
     "ArgumentTypeError",
     "AttentionSpec",
     "BaseKVCacheSpec",
+    "BlockHash",
     "BlockRemoved",
     "BlockStored",
     "CacheConfig",
@@ -198,6 +199,7 @@ __all__ = [
     "MissReason",
     "ModelConfig",
     "OffloadEvent",
+    "OffloadKey",
     "OffloadScheduler",
     "OffloadWorker",
     "OffloadingCacheConfig",

@@ -21,21 +21,29 @@ def round_up(x: int, y: int) -> int:
     return cdiv(x, y) * y
 
 
-def check_int(name: str, value: object, minimum: int = 0, maximum: int | None = None, *, where: str = "") -> int:
+def check_int(
+    name: str,
+    value: object,
+    minimum: int = 0,
+    maximum: int | None = None,
+    *,
+    where: str = "",
+    value_first: bool = False,
+) -> int:
     """Return ``value`` if it is an int (a bool is not) in ``[minimum, maximum]``, else raise :class:`ConfigError`.
 
-    The message names the field and the value (``{where}{name}={value!r} must be an int >= {minimum}``);
-    ``where`` prefixes it with the component, e.g. ``"fs tier: "``.
+    The message names the field and the value: ``{where}{name} must be an int >= {minimum}, got {value!r}``
+    (``in [minimum, maximum]`` with a maximum); ``where`` prefixes the component, e.g. ``"fs tier: "``.
+    ``value_first`` writes it as an assignment instead, ``{name}={value!r} must be >= {minimum}`` (``must be an
+    int >= ...`` when it is not an int), for fields whose messages quote the value as it was given.
     """
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or value < minimum
-        or (maximum is not None and value > maximum)
-    ):
-        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ConfigError(f"{where}{name}={value!r} must be an int {bound}")
-    return value
+    is_int = not isinstance(value, bool) and isinstance(value, int)
+    if isinstance(value, int) and is_int and minimum <= value and (maximum is None or value <= maximum):
+        return value
+    bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+    if value_first:
+        raise ConfigError(f"{where}{name}={value!r} must be {bound if is_int else 'an int ' + bound}")
+    raise ConfigError(f"{where}{name} must be an int {bound}, got {value!r}")
 
 
 def check_optional_int(name: str, value: object, minimum: int = 0, *, where: str = "") -> int | None:
@@ -43,5 +51,5 @@ def check_optional_int(name: str, value: object, minimum: int = 0, *, where: str
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{where}{name}={value!r} must be an int >= {minimum} or None")
+        raise ConfigError(f"{where}{name} must be an int >= {minimum} or None, got {value!r}")
     return value

@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from ._generated import MissReason, WorkerReport
+from ._ints import check_int
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -252,8 +253,7 @@ class _Recorder:
     def __init__(self, registry: CollectorRegistry | None, max_samples: int) -> None:
         if registry is not None and not isinstance(registry, CollectorRegistry):
             raise ConfigError(f"registry must be a prometheus_client CollectorRegistry or None, got {registry!r}")
-        if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 0:
-            raise ConfigError(f"max_samples must be an int >= 0, got {max_samples!r}")
+        check_int("max_samples", max_samples)
         self.registry = registry
         self._max_samples = max_samples
         self._counters: list[_BoundCounter] = []
@@ -658,8 +658,7 @@ class MetricsServer:
 
 def serve_metrics(registry: CollectorRegistry, port: int, *, addr: str = "127.0.0.1") -> MetricsServer:
     """Serve ``registry`` at ``http://addr:port/metrics`` until :meth:`MetricsServer.close` (port 0: any free)."""
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ConfigError(f"metrics port must be an int in [0, 65535], got {port!r}")
+    check_int("metrics port", port, 0, 65535)
     try:
         server, thread = start_http_server(port, addr=addr, registry=registry)
     except OSError as exc:

@@ -17,7 +17,7 @@ What it covers (each one a value the runtime cannot work with):
   copy).
 
 It does not judge whether the tensors' placement matches the specs' page sizes: vLLM's recorded cases include
-synthetic snapshots where they disagree, and a worker checks its own copy layout when it starts (a failure
+synthetic snapshots where they disagree, and a worker checks its own transfer layout when it starts (a failure
 there reaches the scheduler as a WorkerFailure naming the cause). Of the 20 recorded cases vLLM 0.33.0 accepts
 (tests/data/translate_cases.jsonl), the 3 without any KV tensor are refused, the 17 others pass.
 """

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 
 from kvoffload.offload.copy import (
     CopyEngine,
-    Placement,
     TransferLayout,
     TransferResult,
     build_block_slots,
@@ -25,6 +24,7 @@ from kvoffload.offload.copy import (
 from kvoffload.offload.host_pool import HostPool
 from kvoffload.offload.integrity import SEALED, TAGGED, key_tag
 from kvoffload.offload.pool_plan import HostPoolPlan, plan_host_pool
+from tests.helpers import Placement
 
 PAGE = 64
 BLOCKS = 16

@@ -11,6 +11,7 @@ from collections.abc import Set as AbstractSet
 from typing import ClassVar
 
 from kvoffload.offload.cache_policy import CachePolicy, check_evict_count
+from kvoffload.offload.keys import OffloadKey
 
 __all__ = ["ARCPolicy"]
 
@@ -32,12 +33,12 @@ class ARCPolicy(CachePolicy):
         """Create an empty ARC policy; ghost lists are each bounded by ``capacity``."""
         super().__init__(capacity)
         self.target_t1_size: float = 0.0
-        self.t1: OrderedDict[bytes, int] = OrderedDict()
-        self.t2: OrderedDict[bytes, int] = OrderedDict()
-        self.b1: OrderedDict[bytes, None] = OrderedDict()
-        self.b2: OrderedDict[bytes, None] = OrderedDict()
-        self._pending: set[bytes] = set()  # inserted, store not completed yet (vLLM ref_cnt == -1)
-        self._blocked: set[bytes] = set()  # pending or pinned (vLLM ref_cnt != 0)
+        self.t1: OrderedDict[OffloadKey, int] = OrderedDict()
+        self.t2: OrderedDict[OffloadKey, int] = OrderedDict()
+        self.b1: OrderedDict[OffloadKey, None] = OrderedDict()
+        self.b2: OrderedDict[OffloadKey, None] = OrderedDict()
+        self._pending: set[OffloadKey] = set()  # inserted, store not completed yet (vLLM ref_cnt == -1)
+        self._blocked: set[OffloadKey] = set()  # pending or pinned (vLLM ref_cnt != 0)
 
     def __len__(self) -> int:
         """Return the number of resident keys (``|T1| + |T2|``)."""
@@ -47,12 +48,12 @@ class ARCPolicy(CachePolicy):
         """Tell whether ``key`` is resident in T1 or T2."""
         return key in self.t1 or key in self.t2
 
-    def get(self, key: bytes) -> int | None:
+    def get(self, key: OffloadKey) -> int | None:
         """Return the chunk id of ``key`` from T1 or T2, or ``None``."""
         chunk_id = self.t1.get(key)
         return self.t2.get(key) if chunk_id is None else chunk_id
 
-    def insert(self, key: bytes, chunk_id: int) -> None:
+    def insert(self, key: OffloadKey, chunk_id: int) -> None:
         """Add ``key`` (pending) at the T1 tail and forget it from the ghost lists."""
         self.t2.pop(key, None)
         t1 = self.t1
@@ -63,7 +64,7 @@ class ARCPolicy(CachePolicy):
         self._pending.add(key)
         self._blocked.add(key)
 
-    def insert_many(self, keys: Sequence[bytes], chunk_ids: Sequence[int]) -> None:
+    def insert_many(self, keys: Sequence[OffloadKey], chunk_ids: Sequence[int]) -> None:
         """Insert new keys at the T1 tail in order, batched when none of them is resident yet."""
         t1 = self.t1
         if len(keys) != len(chunk_ids) or not t1.keys().isdisjoint(keys) or not self.t2.keys().isdisjoint(keys):
@@ -78,14 +79,14 @@ class ARCPolicy(CachePolicy):
         self._pending.update(keys)
         self._blocked.update(keys)
 
-    def remove(self, key: bytes) -> int | None:
+    def remove(self, key: OffloadKey) -> int | None:
         """Drop ``key`` from T1 or T2 (ghosts untouched) and return its chunk id."""
         self._pending.discard(key)
         self._blocked.discard(key)
         chunk_id = self.t1.pop(key, None)
         return self.t2.pop(key, None) if chunk_id is None else chunk_id
 
-    def _adapt_to_ghost_hit(self, key: bytes) -> None:
+    def _adapt_to_ghost_hit(self, key: OffloadKey) -> None:
         """Shift ``target_t1_size`` on a ghost hit: B1 favours recency (up), B2 frequency (down)."""
         b1 = self.b1
         b2 = self.b2
@@ -98,7 +99,7 @@ class ARCPolicy(CachePolicy):
             self.target_t1_size = max(self.target_t1_size - delta, 0.0)
             b2.move_to_end(key)
 
-    def on_store_miss(self, keys: Sequence[bytes]) -> None:
+    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
         """Learn from offered keys that are ghosts, before insertion forgets them (reverse order)."""
         if not self.b1 and not self.b2:
             return
@@ -106,7 +107,7 @@ class ARCPolicy(CachePolicy):
         for key in reversed(keys):
             adapt(key)
 
-    def touch(self, keys: Sequence[bytes]) -> None:
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Apply accesses in reverse: ready T1 keys move to the T2 tail, pending ones to the T1 tail, T2
         keys to the T2 tail, and absent keys adapt the target if they are ghosts."""
         t1 = self.t1
@@ -124,7 +125,7 @@ class ARCPolicy(CachePolicy):
             else:
                 self._adapt_to_ghost_hit(key)
 
-    def on_request_finished(self, keys: Sequence[bytes], reused: AbstractSet[bytes]) -> None:
+    def on_request_finished(self, keys: Sequence[OffloadKey], reused: AbstractSet[OffloadKey]) -> None:
         """Apply a finished request in reverse order: reused keys count as one access (T1 -> T2 or T2
         tail); the request's own stores only refresh recency within their list."""
         t1 = self.t1
@@ -141,7 +142,7 @@ class ARCPolicy(CachePolicy):
             elif key in t2:
                 t2.move_to_end(key)
 
-    def evict(self, n: int, protected: AbstractSet[bytes]) -> list[tuple[bytes, int]] | None:
+    def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
         """Pick ``n`` victims with vLLM's single forward scan over T1 and T2, then move them to B1/B2.
 
         Per victim: if the virtual ``|T1|`` is at least ``int(target_t1_size)`` take the next evictable
@@ -156,10 +157,10 @@ class ARCPolicy(CachePolicy):
         virtual_t1 = len(self.t1)
         t1_items = iter(self.t1.items())
         t2_items = iter(self.t2.items())
-        victims: list[tuple[bytes, int]] = []
+        victims: list[tuple[OffloadKey, int]] = []
         from_t1: list[bool] = []
 
-        def next_victim(items: Iterator[tuple[bytes, int]]) -> tuple[bytes, int] | None:
+        def next_victim(items: Iterator[tuple[OffloadKey, int]]) -> tuple[OffloadKey, int] | None:
             # Shared forward iterators: an entry skipped once is never revisited (vLLM's single pass).
             for item in items:
                 if item[0] not in blocked and item[0] not in protected:
@@ -207,22 +208,22 @@ class ARCPolicy(CachePolicy):
         self._blocked.clear()
         self.target_t1_size = 0.0
 
-    def mark_evictable(self, key: bytes) -> None:
+    def mark_evictable(self, key: OffloadKey) -> None:
         """Mark ``key`` ready and unpinned (vLLM ``ref_cnt == 0``)."""
         self._pending.discard(key)
         self._blocked.discard(key)
 
-    def mark_non_evictable(self, key: bytes) -> None:
+    def mark_non_evictable(self, key: OffloadKey) -> None:
         """Mark resident ``key`` pinned (vLLM ``ref_cnt > 0``)."""
         if key in self.t1 or key in self.t2:
             self._blocked.add(key)
 
-    def mark_evictable_many(self, keys: Collection[bytes]) -> None:
+    def mark_evictable_many(self, keys: Collection[OffloadKey]) -> None:
         """Mark ``keys`` ready and unpinned with two set operations."""
         self._pending.difference_update(keys)
         self._blocked.difference_update(keys)
 
-    def mark_non_evictable_many(self, keys: Collection[bytes]) -> None:
+    def mark_non_evictable_many(self, keys: Collection[OffloadKey]) -> None:
         """Mark the resident ``keys`` pinned."""
         t1 = self.t1
         t2 = self.t2

@@ -2,7 +2,7 @@
 
 The pool is ONE ``uint8`` torch tensor of chunk rows, sized by a :class:`~kvoffload.offload.pool_plan.HostPoolPlan`.
 The optional shared-memory backing follows vLLM 0.33's shared offload region: one file under ``/dev/shm`` that
-every rank maps, so a replicated offload layout keeps one copy of the cache for all ranks.
+every rank maps, so a replicated offload (``replicated_layout``) keeps one copy of the cache for all ranks.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ class HostPool:
 
     def _own_ranges(self, total: int) -> list[tuple[int, int]]:
         """Page-rounded byte ranges of the shared file this rank reads and writes: its slot of every row (the
-        whole rows when it is the only slot or the layout is replicated) and the integrity table."""
+        whole rows when it is the only slot or the offload is replicated) and the integrity table."""
         plan = self._plan
         rows_total = plan.total_bytes
         if plan.copies == 1 or plan.replicated:

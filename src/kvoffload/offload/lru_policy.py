@@ -8,6 +8,7 @@ from collections.abc import Set as AbstractSet
 from typing import ClassVar
 
 from kvoffload.offload.cache_policy import CachePolicy, check_evict_count
+from kvoffload.offload.keys import OffloadKey
 
 __all__ = ["LRUPolicy"]
 
@@ -26,8 +27,8 @@ class LRUPolicy(CachePolicy):
     def __init__(self, capacity: int) -> None:
         """Create an empty LRU policy for ``capacity`` chunks."""
         super().__init__(capacity)
-        self._order: OrderedDict[bytes, int] = OrderedDict()
-        self._blocked: set[bytes] = set()  # resident keys that are pending or pinned
+        self._order: OrderedDict[OffloadKey, int] = OrderedDict()
+        self._blocked: set[OffloadKey] = set()  # resident keys that are pending or pinned
 
     def __len__(self) -> int:
         """Return the number of resident keys."""
@@ -37,22 +38,22 @@ class LRUPolicy(CachePolicy):
         """Tell whether ``key`` is resident."""
         return key in self._order
 
-    def lru_order(self) -> list[bytes]:
+    def lru_order(self) -> list[OffloadKey]:
         """Return the resident keys, least recently used first (for inspection and tests)."""
         return list(self._order)
 
-    def get(self, key: bytes) -> int | None:
+    def get(self, key: OffloadKey) -> int | None:
         """Return the chunk id of ``key`` or ``None``."""
         return self._order.get(key)
 
-    def insert(self, key: bytes, chunk_id: int) -> None:
+    def insert(self, key: OffloadKey, chunk_id: int) -> None:
         """Add ``key`` (pending) as the most recently used entry."""
         order = self._order
         order[key] = chunk_id
         order.move_to_end(key)
         self._blocked.add(key)
 
-    def insert_many(self, keys: Sequence[bytes], chunk_ids: Sequence[int]) -> None:
+    def insert_many(self, keys: Sequence[OffloadKey], chunk_ids: Sequence[int]) -> None:
         """Insert new keys in order with one C-level update when none of them is resident yet."""
         order = self._order
         if len(keys) != len(chunk_ids) or not order.keys().isdisjoint(keys):
@@ -61,12 +62,12 @@ class LRUPolicy(CachePolicy):
         order.update(zip(keys, chunk_ids, strict=True))
         self._blocked.update(keys)
 
-    def remove(self, key: bytes) -> int | None:
+    def remove(self, key: OffloadKey) -> int | None:
         """Drop ``key`` and return its chunk id."""
         self._blocked.discard(key)
         return self._order.pop(key, None)
 
-    def touch(self, keys: Sequence[bytes]) -> None:
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Make resident ``keys`` most recent, ``keys[0]`` last (iterates the list reversed, as vLLM)."""
         order = self._order
         move = order.move_to_end
@@ -74,13 +75,13 @@ class LRUPolicy(CachePolicy):
             if key in order:
                 move(key)
 
-    def evict(self, n: int, protected: AbstractSet[bytes]) -> list[tuple[bytes, int]] | None:
+    def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
         """Evict the ``n`` least recent evictable, unprotected keys, or nothing."""
         if n <= 0:
             check_evict_count(n)
             return []
         blocked = self._blocked
-        victims: list[tuple[bytes, int]] = []
+        victims: list[tuple[OffloadKey, int]] = []
         append = victims.append
         for item in self._order.items():
             key = item[0]
@@ -101,19 +102,19 @@ class LRUPolicy(CachePolicy):
         self._order.clear()
         self._blocked.clear()
 
-    def mark_evictable(self, key: bytes) -> None:
+    def mark_evictable(self, key: OffloadKey) -> None:
         """Make ``key`` an eviction candidate again; its recency is unchanged (as vLLM's rank)."""
         self._blocked.discard(key)
 
-    def mark_non_evictable(self, key: bytes) -> None:
+    def mark_non_evictable(self, key: OffloadKey) -> None:
         """Exclude resident ``key`` from eviction while it is pinned."""
         if key in self._order:
             self._blocked.add(key)
 
-    def mark_evictable_many(self, keys: Collection[bytes]) -> None:
+    def mark_evictable_many(self, keys: Collection[OffloadKey]) -> None:
         """Make ``keys`` eviction candidates again with one set operation."""
         self._blocked.difference_update(keys)
 
-    def mark_non_evictable_many(self, keys: Collection[bytes]) -> None:
+    def mark_non_evictable_many(self, keys: Collection[OffloadKey]) -> None:
         """Exclude the resident ``keys`` from eviction with one set operation."""
         self._blocked.update(self._order.keys() & keys)

@@ -17,6 +17,7 @@ from collections.abc import Set as AbstractSet
 
 from kvoffload._generated import MissReason
 from kvoffload.errors import ConfigError, InvalidStateError
+from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.manager_results import OffloadEvent, StorePlan
 from kvoffload.offload.manager_state import ManagerState
 
@@ -40,13 +41,13 @@ class HostBlockManager(ManagerState):
 
     # ------------------------------------------------------------------ stores
 
-    def _record_offer(self, keys: Sequence[bytes], counts: OrderedDict[bytes, int]) -> None:
+    def _record_offer(self, keys: Sequence[OffloadKey], counts: OrderedDict[OffloadKey, int]) -> None:
         """Count one offer of each key in the store-threshold tracker without dropping offered keys.
 
         Known keys move to the recent end; a new key evicts the oldest tracked key that is not part of
         this offer, or is not tracked when only offered keys remain (vLLM 0.33.0 ``_record_accesses``).
         """
-        protected: set[bytes] = set()
+        protected: set[OffloadKey] = set()
         move = counts.move_to_end
         for key in keys:
             count = counts.get(key)
@@ -66,7 +67,7 @@ class HostBlockManager(ManagerState):
                 unprotected -= 1
             counts[key] = 1
 
-    def prepare_store(self, keys: Sequence[bytes], *, request_id: str | None = None) -> StorePlan | None:
+    def prepare_store(self, keys: Sequence[OffloadKey], *, request_id: str | None = None) -> StorePlan | None:
         """Allocate chunks for the offered keys that are not resident, evicting if needed.
 
         Returns a :class:`StorePlan` (possibly empty) or ``None`` when not enough ready, unpinned chunks
@@ -110,7 +111,7 @@ class HostBlockManager(ManagerState):
         free = self._free
         num_chunks = self._num_chunks
         need = n - (len(free) + num_chunks - self._next_fresh)
-        evicted_keys: list[bytes] = []
+        evicted_keys: list[OffloadKey] = []
         if need > 0:
             if need > self._evictable:
                 return None
@@ -145,7 +146,7 @@ class HostBlockManager(ManagerState):
         self._write_pending += n
         return StorePlan(to_store, chunk_ids, evicted_keys)
 
-    def complete_store(self, keys: Collection[bytes], success: bool = True) -> None:
+    def complete_store(self, keys: Collection[OffloadKey], success: bool = True) -> None:
         """Finish the writes of ``keys``: on success they turn ready (HIT), on failure their chunks are freed.
 
         Only keys whose write is pending are affected; ready, pinned or absent keys are ignored. A success
@@ -154,7 +155,7 @@ class HostBlockManager(ManagerState):
         """
         ref = self._ref
         policy = self._policy
-        changed: list[bytes] = []
+        changed: list[OffloadKey] = []
         if success:
             for key in keys:
                 if ref.get(key) == -1:
@@ -179,7 +180,7 @@ class HostBlockManager(ManagerState):
         if changed and self._events is not None:
             self._events.append(OffloadEvent(tuple(changed), not success, metadata_only=not success))
 
-    def drop(self, keys: Sequence[bytes], reason: MissReason = MissReason.CORRUPT) -> list[bytes]:
+    def drop(self, keys: Sequence[OffloadKey], reason: MissReason = MissReason.CORRUPT) -> list[OffloadKey]:
         """Remove stored keys whose chunks were found corrupt (or unusable for ``reason``), so they are never
         served again; the reason is remembered for :meth:`miss_reason`.
 
@@ -188,7 +189,7 @@ class HostBlockManager(ManagerState):
         Absent and pending keys are ignored. Returns the keys dropped, announced in one removal event.
         """
         ref = self._ref
-        dropped: list[bytes] = []
+        dropped: list[OffloadKey] = []
         for key in dict.fromkeys(keys):
             count = ref.get(key)
             if count is None or count < 0 or key in self._dead:
@@ -209,7 +210,7 @@ class HostBlockManager(ManagerState):
     # ------------------------------------------------------------------ request lifecycle and events
 
     def on_request_finished(
-        self, keys: Sequence[bytes], reused_keys: Collection[bytes], *, request_id: str | None = None
+        self, keys: Sequence[OffloadKey], reused_keys: Collection[OffloadKey], *, request_id: str | None = None
     ) -> None:
         """Tell the policy a request finished: ``keys`` it stored or reused in prefix order, of which
         ``reused_keys`` were hits (loaded or already stored when offered).
@@ -219,7 +220,7 @@ class HostBlockManager(ManagerState):
         """
         if request_id is not None:
             self._store_misses.pop(request_id, None)
-        reused: AbstractSet[bytes] = reused_keys if isinstance(reused_keys, AbstractSet) else set(reused_keys)
+        reused: AbstractSet[OffloadKey] = reused_keys if isinstance(reused_keys, AbstractSet) else set(reused_keys)
         self._policy.on_request_finished(keys, reused)
 
     def take_events(self) -> list[OffloadEvent]:
@@ -262,7 +263,7 @@ class HostBlockManager(ManagerState):
         self._store_misses.clear()
         self._dead.clear()
 
-    def remove(self, keys: Sequence[bytes], reason: MissReason) -> list[bytes]:
+    def remove(self, keys: Sequence[OffloadKey], reason: MissReason) -> list[OffloadKey]:
         """Drop ``keys`` from the pool for ``reason`` (CORRUPT after a checksum failure, TIER_UNAVAILABLE, ...)
         and remember it, so later misses on them are explained; returns the resident keys dropped.
 

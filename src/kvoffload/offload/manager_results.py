@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from kvoffload.offload.keys import OffloadKey
+
 __all__ = ["LookupResult", "ManagerStats", "OffloadEvent", "StorePlan"]
 
 
@@ -27,9 +29,9 @@ class StorePlan:
     Keys of the offer that are not listed are already stored, in flight, or below the store threshold.
     """
 
-    keys_to_store: list[bytes]
+    keys_to_store: list[OffloadKey]
     chunk_ids: list[int]
-    evicted_keys: list[bytes]
+    evicted_keys: list[OffloadKey]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +42,7 @@ class OffloadEvent:
     removals undo a failed store that was never announced as stored, so publishers emit nothing for them.
     """
 
-    keys: tuple[bytes, ...]
+    keys: tuple[OffloadKey, ...]
     removed: bool
     medium: str = "CPU"
     metadata_only: bool = False

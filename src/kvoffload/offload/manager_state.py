@@ -12,8 +12,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvoffload._generated import MissReason
+from kvoffload._ints import check_int
 from kvoffload.errors import ConfigError, InvalidStateError
 from kvoffload.offload.cache_policy import CachePolicy
+from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.manager_results import LookupResult, ManagerStats, OffloadEvent
 from kvoffload.offload.policy import make_policy
 
@@ -22,13 +24,6 @@ __all__ = ["ManagerState"]
 _MISS = LookupResult.MISS
 _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    """Return ``value`` if it is an int (not bool) >= ``minimum``, else raise ConfigError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 class ManagerState:
@@ -79,9 +74,9 @@ class ManagerState:
 
         ``max_departures`` bounds the memory of why keys left the pool (see :meth:`miss_reason`).
         """
-        self._num_chunks = _check_int("num_chunks", num_chunks, 0)
-        self._store_threshold = _check_int("store_threshold", store_threshold, 0)
-        self._max_tracker_size = _check_int("max_tracker_size", max_tracker_size, 1)
+        self._num_chunks = check_int("num_chunks", num_chunks, 0)
+        self._store_threshold = check_int("store_threshold", store_threshold, 0)
+        self._max_tracker_size = check_int("max_tracker_size", max_tracker_size, 1)
         if not isinstance(enable_events, bool):
             raise ConfigError(f"enable_events must be a bool, got {enable_events!r}")
         if not isinstance(policy, str):
@@ -89,15 +84,15 @@ class ManagerState:
         self._policy: CachePolicy = make_policy(policy, num_chunks)
         self._policy_name = policy
         # key -> vLLM ref_cnt: -1 pending write, 0 ready, n > 0 pinned by n loads. Presence == resident.
-        self._ref: dict[bytes, int] = {}
-        self._cid: dict[bytes, int] = {}  # key -> chunk id (mirrors the policy, for fast loads)
+        self._ref: dict[OffloadKey, int] = {}
+        self._cid: dict[OffloadKey, int] = {}  # key -> chunk id (mirrors the policy, for fast loads)
         self._next_fresh = 0  # vLLM _num_allocated_chunks: ids below it have been handed out once
         self._free: list[int] = []  # LIFO stack of freed chunk ids
         self._evictable = 0  # resident chunks with ref_cnt == 0
         self._write_pending = 0  # resident chunks with ref_cnt == -1
         self._events: list[OffloadEvent] | None = [] if enable_events else None
-        self._counts: OrderedDict[bytes, int] | None = OrderedDict() if store_threshold >= 2 else None
-        self._store_misses: dict[str, set[bytes]] = {}  # request id -> keys already reported
+        self._counts: OrderedDict[OffloadKey, int] | None = OrderedDict() if store_threshold >= 2 else None
+        self._store_misses: dict[str, set[OffloadKey]] = {}  # request id -> keys already reported
         self._alloc_sizes: list[int] = []
         self._stores_skipped = 0
         self._hits = 0
@@ -105,11 +100,11 @@ class ManagerState:
         self._stored_total = 0
         self._evicted_total = 0
         self._load_pins = 0
-        self._dead: set[bytes] = set()  # pinned keys dropped as corrupt: freed at their last unpin
+        self._dead: set[OffloadKey] = set()  # pinned keys dropped as corrupt: freed at their last unpin
         self._dropped_total = 0
         # Observability: why a key left (bounded, oldest forgotten first), so a later miss can say so.
-        self._max_departures = _check_int("max_departures", max_departures, 1)
-        self._departed: OrderedDict[bytes, MissReason] = OrderedDict()
+        self._max_departures = check_int("max_departures", max_departures, 1)
+        self._departed: OrderedDict[OffloadKey, MissReason] = OrderedDict()
 
     # ------------------------------------------------------------------ introspection
 
@@ -139,7 +134,7 @@ class ManagerState:
         return self._evictable
 
     @property
-    def store_counts(self) -> dict[bytes, int]:
+    def store_counts(self) -> dict[OffloadKey, int]:
         """Return a copy of the store-threshold tracker (offer counts, oldest first); empty when disabled."""
         return dict(self._counts) if self._counts is not None else {}
 
@@ -151,11 +146,11 @@ class ManagerState:
         """Tell whether ``key`` is resident in any state."""
         return key in self._ref
 
-    def chunk_id(self, key: bytes) -> int | None:
+    def chunk_id(self, key: OffloadKey) -> int | None:
         """Return the chunk id holding ``key``, or ``None`` if it is not resident."""
         return self._cid.get(key)
 
-    def is_ready(self, key: bytes) -> bool:
+    def is_ready(self, key: OffloadKey) -> bool:
         """Tell whether ``key`` is stored and readable (ready or pinned), without counting a lookup."""
         ref = self._ref.get(key)
         return ref is not None and ref >= 0 and key not in self._dead
@@ -170,7 +165,7 @@ class ManagerState:
 
     # ------------------------------------------------------------------ lookups and loads
 
-    def lookup(self, key: bytes) -> LookupResult:
+    def lookup(self, key: OffloadKey) -> LookupResult:
         """Return whether ``key`` is stored (HIT), being written (HIT_PENDING) or absent (MISS).
 
         Read-only apart from statistics: recency is only changed by :meth:`touch`, and offers, not
@@ -183,14 +178,14 @@ class ManagerState:
         self._hits += 1
         return _HIT if ref >= 0 else _HIT_PENDING
 
-    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> list[int]:
         """Pin ``keys`` for reading and return their chunk ids in key order.
 
         Every key must be stored and ready, else :class:`InvalidStateError` names it and nothing stays
         pinned. A key may be pinned several times; each pin needs one :meth:`complete_load`.
         """
         ref = self._ref
-        first_pins: list[bytes] = []
+        first_pins: list[OffloadKey] = []
         for i, key in enumerate(keys):
             count = ref.get(key)
             if count is None or count < 0 or key in self._dead:
@@ -208,13 +203,13 @@ class ManagerState:
         cid = self._cid
         return [cid[key] for key in keys]
 
-    def complete_load(self, keys: Sequence[bytes]) -> None:
+    def complete_load(self, keys: Sequence[OffloadKey]) -> None:
         """Release one pin per key taken by :meth:`prepare_load`; a chunk becomes evictable at zero pins.
 
         A key that is not pinned raises :class:`InvalidStateError` naming it, and no pin is released.
         """
         ref = self._ref
-        released: list[bytes] = []
+        released: list[OffloadKey] = []
         for i, key in enumerate(keys):
             count = ref.get(key)
             if count is None or count <= 0:
@@ -237,11 +232,11 @@ class ManagerState:
             self._evictable += len(released)
             self._policy.mark_evictable_many(released)
 
-    def touch(self, keys: Sequence[bytes]) -> None:
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
         """Record an access to resident ``keys`` for the policy; ``keys[0]`` ends most recent."""
         self._policy.touch(keys)
 
-    def _free_key(self, key: bytes) -> None:
+    def _free_key(self, key: OffloadKey) -> None:
         """Forget a resident key and free its chunk (no event, no counters)."""
         del self._ref[key]
         self._policy.remove(key)
@@ -249,7 +244,7 @@ class ManagerState:
 
     # ------------------------------------------------------------------ miss explanations (observability)
 
-    def _remember(self, keys: Sequence[bytes], reason: MissReason) -> None:
+    def _remember(self, keys: Sequence[OffloadKey], reason: MissReason) -> None:
         """Record why ``keys`` left the pool (or are unavailable), forgetting the oldest beyond the bound."""
         departed = self._departed
         for key in keys:
@@ -258,7 +253,7 @@ class ManagerState:
         while len(departed) > self._max_departures:
             departed.popitem(last=False)
 
-    def miss_reason(self, key: bytes) -> MissReason | None:
+    def miss_reason(self, key: OffloadKey) -> MissReason | None:
         """Why ``key`` is not loadable now, or ``None`` when it is stored and ready (no statistics change).
 
         A pending write answers STORE_PENDING; a dropped key (absent, or dead until its last unpin) answers the

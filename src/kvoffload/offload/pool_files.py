@@ -1,7 +1,7 @@
 """Shared-memory pool files and host memory checks: naming, sweeping stale files, prefaulting, fitting.
 
 A shared host pool is one file under ``/dev/shm`` that every rank maps (vLLM 0.33's shared offload region),
-so a replicated offload layout keeps one copy of the cache for all ranks.
+so a replicated offload (``replicated_layout``) keeps one copy of the cache for all ranks.
 """
 
 from __future__ import annotations

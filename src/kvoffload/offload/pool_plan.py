@@ -12,7 +12,7 @@ import mmap
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvoffload._ints import round_up
+from kvoffload._ints import check_int, round_up
 from kvoffload.errors import ConfigError, HostMemoryError
 from kvoffload.offload.integrity import table_bytes
 
@@ -33,7 +33,7 @@ class HostPoolPlan:
     is the page-rounded width of a row holding ``copies`` slots back to back; ``num_chunks`` rows fit in the
     total budget ``cpu_bytes_to_use`` (shared by all workers). ``slot_offset`` is where this rank's slot
     starts inside a row of a shared region; ``writes`` says whether this rank writes stores into a shared
-    region (in a replicated layout only rank 0 does, every rank reads).
+    region (when the offload is replicated only rank 0 does, every rank reads).
     """
 
     worker_kv_bytes_per_block: int
@@ -94,8 +94,7 @@ def plan_host_pool(
         ("world_size", world_size, 1),
         ("blocks_per_chunk", blocks_per_chunk, 1),
     ):
-        if value < low:
-            raise ConfigError(f"{name}={value} must be >= {low}")
+        check_int(name, value, low, value_first=True)
     _check_rank(rank, world_size)
     if cpu_bytes_to_use <= 0:
         raise ConfigError(

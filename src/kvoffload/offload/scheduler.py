@@ -36,7 +36,7 @@ from .._generated import (
 )
 from .._ints import check_int, check_optional_int
 from ..errors import ConfigError, InvalidStateError
-from .keys import offload_key_group, offload_key_hash
+from .keys import BlockHash, offload_key_group, offload_key_hash
 from .scheduler_lookup import SchedulerLookup
 from .scheduler_reports import SchedulerReports
 from .scheduler_results import SchedulerStats
@@ -59,7 +59,7 @@ class OffloadScheduler(SchedulerLookup, SchedulerTransfers, SchedulerReports):
     def add_request(
         self,
         req_id: str,
-        block_hashes: Sequence[bytes],
+        block_hashes: Sequence[BlockHash],
         num_tokens: int,
         *,
         prompt_len: int | None = None,
@@ -89,7 +89,7 @@ class OffloadScheduler(SchedulerLookup, SchedulerTransfers, SchedulerReports):
         self._requests[req_id] = req
         self._update_keys(req)
 
-    def extend_request(self, req_id: str, new_block_hashes: Sequence[bytes], num_tokens: int) -> None:
+    def extend_request(self, req_id: str, new_block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         """Append block hashes and raise the token count as a request decodes."""
         req = self._request(req_id)
         if num_tokens < req.num_tokens:
@@ -198,7 +198,7 @@ class OffloadScheduler(SchedulerLookup, SchedulerTransfers, SchedulerReports):
             if event.metadata_only:
                 continue
             medium = Medium(event.medium)
-            by_group: dict[int, list[bytes]] = {}
+            by_group: dict[int, list[BlockHash]] = {}
             for key in event.keys:
                 by_group.setdefault(offload_key_group(key), []).append(offload_key_hash(key))
             for group_idx, hashes in by_group.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 from .._generated import (
     MissReason,
 )
+from .keys import OffloadKey
 from .lookup import maximal_prefix_lookup, sliding_window_lookup
 from .misses import ChunkMiss, GroupKeys, explain_lookup, primary_reason
 from .scheduler_state import RequestState, SchedulerState
@@ -86,7 +87,7 @@ class SchedulerLookup(SchedulerState):
         """
         return self._request(req_id).misses
 
-    def forget_chunk(self, key: bytes, reason: MissReason) -> bool:
+    def forget_chunk(self, key: OffloadKey, reason: MissReason) -> bool:
         """Drop one chunk from the pool for ``reason`` and remember it, so later misses on it say why.
 
         The hook for features that find a chunk unusable: a tier that cannot serve it
@@ -147,7 +148,7 @@ class SchedulerLookup(SchedulerState):
                 hit = new_hit
         return None if defer else hit
 
-    def _hit_keys(self, req: RequestState, start: int, end: int) -> list[bytes]:
+    def _hit_keys(self, req: RequestState, start: int, end: int) -> list[OffloadKey]:
         return [
             key for g in self._groups for key in self._chunk_keys_of_blocks(req, g, *self._load_range(g, start, end))
         ]

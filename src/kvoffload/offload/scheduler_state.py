@@ -9,8 +9,9 @@ from .._generated import (
     OffloadingConfig,
     TransferJob,
 )
+from .._ints import cdiv
 from ..errors import ConfigError, InvalidStateError
-from .keys import chunk_keys, hashes_per_chunk
+from .keys import BlockHash, OffloadKey, chunk_keys, hashes_per_chunk
 from .manager import HostBlockManager
 from .misses import ChunkMiss
 
@@ -34,37 +35,37 @@ class JobState:
     job_id: int
     req_id: str
     is_store: bool
-    keys: list[bytes]
+    keys: list[OffloadKey]
     pending: int
     num_tokens: int
     blocks: tuple[int, ...]
     failed: bool = False
     stale: bool = False
     reported: set[int] = field(default_factory=set)
-    chunk_keys: dict[int, bytes] = field(default_factory=dict)  # loads: chunk id -> key (integrity)
+    chunk_keys: dict[int, OffloadKey] = field(default_factory=dict)  # loads: chunk id -> key (integrity)
     corrupt: bool = False
 
 
 @dataclass(slots=True)
 class RequestState:
     req_id: str
-    block_hashes: list[bytes]
+    block_hashes: list[BlockHash]
     num_tokens: int
     prompt_len: int
     max_load_tokens: int | None
     max_offload_tokens: int | None
-    keys: list[list[bytes]]
+    keys: list[list[OffloadKey]]
     block_ids: list[list[int]]
     next_stored: list[int]
     num_computed: int = 0
     jobs: set[int] = field(default_factory=set)
-    pinned: list[bytes] = field(default_factory=list)
+    pinned: list[OffloadKey] = field(default_factory=list)
     hit_start: int = 0
     hit_end: int = 0
     finished: bool = False
-    reused_keys: set[bytes] = field(default_factory=set)
+    reused_keys: set[OffloadKey] = field(default_factory=set)
     # keys the request loaded, stored or found stored when offering -> (end-token position, group id)
-    accessed: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+    accessed: dict[OffloadKey, tuple[int, int]] = field(default_factory=dict)
     misses: tuple[ChunkMiss, ...] = ()
 
 
@@ -116,7 +117,7 @@ class SchedulerState:
         self._pending_loads: list[TransferJob] = []
         self._flush: set[int] = set()
         self._fenced: dict[int, int] = {}  # engine block id -> in-flight store job id
-        self._loading: dict[bytes, int] = {}  # key -> loads in flight that read it
+        self._loading: dict[OffloadKey, int] = {}  # key -> loads in flight that read it
         self._counters = dict.fromkeys(
             (
                 "lookups",
@@ -163,10 +164,10 @@ class SchedulerState:
             first = max(first, last - g.window_chunks * bpc)
         return first, last
 
-    def _chunk_keys_of_blocks(self, req: RequestState, g: GroupGeometry, first: int, last: int) -> list[bytes]:
+    def _chunk_keys_of_blocks(self, req: RequestState, g: GroupGeometry, first: int, last: int) -> list[OffloadKey]:
         """Keys of the chunks holding engine blocks [first, last) of group ``g`` (partial chunks included)."""
         bpc = self.config.cache.blocks_per_chunk
-        return req.keys[g.index][first // bpc : -(-last // bpc)]
+        return req.keys[g.index][first // bpc : cdiv(last, bpc)]
 
     def _release_pins(self, req: RequestState) -> None:
         if req.pinned:
@@ -174,7 +175,7 @@ class SchedulerState:
             req.pinned = []
 
     def _new_job(
-        self, req: RequestState, *, is_store: bool, keys: list[bytes], num_tokens: int, blocks: tuple[int, ...]
+        self, req: RequestState, *, is_store: bool, keys: list[OffloadKey], num_tokens: int, blocks: tuple[int, ...]
     ) -> JobState:
         job = JobState(
             job_id=self._next_job_id,

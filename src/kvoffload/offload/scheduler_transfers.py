@@ -12,6 +12,7 @@ from .._generated import (
 from ..errors import ConfigError, InvalidStateError
 from ..packed import pack_int32, pack_int64
 from .integrity import key_tags
+from .keys import OffloadKey
 from .scheduler_state import RequestState, SchedulerState
 
 __all__ = ["SchedulerTransfers"]
@@ -55,7 +56,7 @@ class SchedulerTransfers(SchedulerState):
         group_sizes: list[int] = []
         block_indices: list[int] = []
         blocks: list[int] = []
-        keys: list[bytes] = []
+        keys: list[OffloadKey] = []
         for g in self._groups:
             if end % g.tokens_per_chunk and end != req.hit_end:
                 raise InvalidStateError(
@@ -133,8 +134,8 @@ class SchedulerTransfers(SchedulerState):
         tokens = self._offloadable_tokens(req)
         null = self.null_block_id
         ranges: list[tuple[int, int]] = []
-        offered: list[bytes] = []
-        positions: dict[bytes, tuple[int, int]] = {}
+        offered: list[OffloadKey] = []
+        positions: dict[OffloadKey, tuple[int, int]] = {}
         for g in self._groups:
             ids = req.block_ids[g.index]
             end = min(tokens // g.tokens_per_chunk, len(ids) // bpc, len(req.keys[g.index]))
@@ -169,7 +170,7 @@ class SchedulerTransfers(SchedulerState):
         group_sizes: list[int] = []
         block_indices: list[int] = []
         blocks: list[int] = []
-        keys: list[bytes] = []
+        keys: list[OffloadKey] = []
         num_tokens = 0
         for g, (start, end) in zip(self._groups, ranges, strict=True):
             first_block: int | None = None
