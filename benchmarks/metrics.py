@@ -49,7 +49,8 @@ from kvoffload._generated import StepPlan  # noqa: E402
 from kvoffload.demo import DemoOptions, _Demo, default_snapshot  # noqa: E402
 from kvoffload.metrics import SchedulerMetrics, WorkerMetrics  # noqa: E402
 from kvoffload.offload.copy import CopyEngine, TransferLayout, transfer_layout_from_config  # noqa: E402
-from kvoffload.offload.host_pool import HostPool, plan_host_pool_from_config  # noqa: E402
+from kvoffload.offload.host_pool import HostPool  # noqa: E402
+from kvoffload.offload.pool_plan import plan_host_pool_from_config  # noqa: E402
 from kvoffload.offload.scheduler import OffloadScheduler  # noqa: E402
 from kvoffload.offload.worker import OffloadWorker  # noqa: E402
 from kvoffload.packed import Int64Array  # noqa: E402

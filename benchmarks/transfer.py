@@ -22,8 +22,10 @@ from functools import partial
 
 import torch
 
-from kvoffload.offload.copy import CopyEngine, Placement, build_transfer_layout
-from kvoffload.offload.host_pool import HostPool, plan_host_pool
+from kvoffload import KVCacheTensor
+from kvoffload.offload.copy import CopyEngine, build_transfer_layout
+from kvoffload.offload.host_pool import HostPool
+from kvoffload.offload.pool_plan import plan_host_pool
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -81,7 +83,7 @@ def bench_page(page: int, args: argparse.Namespace, device: torch.device) -> lis
     total = job_blocks * block_bytes
     size = num_blocks * block_bytes
     names = tuple(f"layer{i}" for i in range(layers))
-    placement = Placement(size=size, layers=names, layer_stride=num_blocks * page, block_stride=page)
+    placement = KVCacheTensor(size=size, layers=names, layer_stride=num_blocks * page, block_stride=page)
     layout = build_transfer_layout(
         [placement],
         [[(n, page) for n in names]],

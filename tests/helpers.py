@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import msgspec
 
@@ -20,6 +21,19 @@ from kvoffload import (
 )
 from kvoffload._page_math import first_layer_spec
 from kvoffload.packed import pack_int32, pack_int64
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A positional stand-in for a ``KVCacheTensor`` (layer ``l`` has block ``b``'s page at ``offset +
+    l*layer_stride + b*block_stride`` of one allocation of ``size`` bytes), so a copy test places layers in one
+    line; ``build_transfer_layout`` reads the same five fields of either and validates them itself."""
+
+    size: int
+    layers: tuple[str, ...]
+    layer_stride: int
+    block_stride: int
+    offset: int = 0
 
 
 def offloading_config(

@@ -26,6 +26,7 @@ from kvoffload import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
+    _ints,
 )
 from kvoffload import _page_math as L
 from kvoffload.translate import offloading_group_ids
@@ -221,9 +222,9 @@ def msgspec_replace(spec: SlidingWindowMLASpec, **kw: object) -> SlidingWindowML
 
 
 def test_math_helpers() -> None:
-    assert L.cdiv(7, 2) == 4 and L.cdiv(8, 2) == 4 and L.cdiv(0, 5) == 0
-    assert L.round_up(24, 16) == 32 and L.round_up(32, 16) == 32
-    assert L.round_up(-24, 16) == -16
+    assert _ints.cdiv(7, 2) == 4 and _ints.cdiv(8, 2) == 4 and _ints.cdiv(0, 5) == 0
+    assert _ints.round_up(24, 16) == 32 and _ints.round_up(32, 16) == 32
+    assert _ints.round_up(-24, 16) == -16
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -77,11 +77,13 @@ from .errors import (
     WireError,
     WorkerError,
 )
-from .offload.keys import hash_token_blocks, make_offload_key
-from .offload.manager import HostBlockManager, LookupResult, ManagerStats, OffloadEvent, StorePlan
+from .offload.keys import BlockHash, OffloadKey, hash_token_blocks, make_offload_key
+from .offload.manager import HostBlockManager
+from .offload.manager_results import LookupResult, ManagerStats, OffloadEvent, StorePlan
 from .offload.misses import ChunkMiss
 from .offload.policy import register_policy
-from .offload.scheduler import OffloadScheduler, ReportOutcome, SchedulerStats
+from .offload.scheduler import OffloadScheduler
+from .offload.scheduler_results import ReportOutcome, SchedulerStats
 from .packed import (
     Int32Array,
     Int32Bytes,
@@ -99,7 +101,8 @@ if _TYPE_CHECKING:
     from .events import KVEventPublisher, KVEventSubscriber
     from .metrics import MetricsSnapshot, SchedulerMetrics, WorkerMetrics
     from .offload.copy import CopyEngine, TransferLayout, TransferResult, transfer_layout_from_config
-    from .offload.host_pool import HostPool, HostPoolPlan, plan_host_pool, plan_host_pool_from_config
+    from .offload.host_pool import HostPool
+    from .offload.pool_plan import HostPoolPlan, plan_host_pool, plan_host_pool_from_config
     from .offload.worker import OffloadWorker
     from .runnable import validate_runnable
     from .runtime.cluster import WorkerCluster
@@ -110,9 +113,9 @@ _LAZY = {
     "TransferResult": "kvoffload.offload.copy",
     "transfer_layout_from_config": "kvoffload.offload.copy",
     "HostPool": "kvoffload.offload.host_pool",
-    "HostPoolPlan": "kvoffload.offload.host_pool",
-    "plan_host_pool": "kvoffload.offload.host_pool",
-    "plan_host_pool_from_config": "kvoffload.offload.host_pool",
+    "HostPoolPlan": "kvoffload.offload.pool_plan",
+    "plan_host_pool": "kvoffload.offload.pool_plan",
+    "plan_host_pool_from_config": "kvoffload.offload.pool_plan",
     "OffloadWorker": "kvoffload.offload.worker",
     "WorkerCluster": "kvoffload.runtime.cluster",
     "validate_runnable": "kvoffload.runnable",
@@ -145,6 +148,7 @@ __all__ = [
     "ArgumentTypeError",
     "AttentionSpec",
     "BaseKVCacheSpec",
+    "BlockHash",
     "BlockRemoved",
     "BlockStored",
     "CacheConfig",
@@ -195,6 +199,7 @@ __all__ = [
     "MissReason",
     "ModelConfig",
     "OffloadEvent",
+    "OffloadKey",
     "OffloadScheduler",
     "OffloadWorker",
     "OffloadingCacheConfig",

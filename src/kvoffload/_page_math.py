@@ -38,11 +38,11 @@ from ._generated.types import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
+from ._ints import cdiv, round_up
 from .errors import ConfigError, OffloadingConfigError
 
 __all__ = [
     "DTYPE_SIZES",
-    "cdiv",
     "dcp_sharded",
     "dtype_size",
     "first_layer_spec",
@@ -59,27 +59,11 @@ __all__ = [
     "real_page_size_bytes",
     "resolve_dcp_kv_block_size",
     "resolve_kv_cache_block_sizes",
-    "round_up",
     "sliding_window_size_in_chunks",
     "spec_kind",
     "state_content_size_bytes",
     "unpadded_page_size_bytes",
 ]
-
-# ----------------------------------------------------------------------------------------------------
-# Math (vLLM utils/math_utils.py)
-# ----------------------------------------------------------------------------------------------------
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division ``-(a // -b)``, as vLLM's ``cdiv``."""
-    return -(a // -b)
-
-
-def round_up(x: int, y: int) -> int:
-    """``((x + y - 1) // y) * y``, as vLLM's ``round_up`` (also for negative ``x``)."""
-    return ((x + y - 1) // y) * y
-
 
 # ----------------------------------------------------------------------------------------------------
 # dtypes and quantization modes

@@ -120,7 +120,7 @@ def _direct_replicated_layout(
             (
                 "backend==mp",
                 backend == "mp",
-                f"distributed_executor_backend={backend!r} (the shared /dev/shm layout needs 'mp')",
+                f"distributed_executor_backend={backend!r} (the shared /dev/shm pool needs 'mp')",
             ),
             (
                 "nnodes_within_dp==1",

@@ -37,6 +37,7 @@ import msgspec
 from ._explain import describe_error
 from ._generated import SCHEMA_FINGERPRINT, SCHEMA_VERSION, codecs
 from ._generated.types import EngineSnapshot, OffloadingConfig
+from ._ints import check_int
 from .errors import ConfigError, KVOffloadError
 from .runnable import validate_runnable
 from .snapshot import DEFAULT_MAX_SNAPSHOT_BYTES, load_snapshot
@@ -171,10 +172,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     """Build the snapshot, run the demo, print the table; 1 when anything failed verification."""
     from .demo import DemoOptions, default_snapshot, render_result, run_demo, snapshot_with_overrides
 
-    if args.requests < 1:
-        raise ConfigError(f"--requests={args.requests} must be >= 1")
-    if args.conversations < 1:
-        raise ConfigError(f"--conversations={args.conversations} must be >= 1")
+    check_int("--requests", args.requests, 1, value_first=True)
+    check_int("--conversations", args.conversations, 1, value_first=True)
     if args.snapshot is None:
         snapshot = default_snapshot(workers=2 if args.workers is None else args.workers)
     else:

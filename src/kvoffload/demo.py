@@ -38,9 +38,10 @@ from ._generated import (
     TieringConfig,
 )
 from .errors import ConfigError, DeadlineError, HostMemoryError
-from .offload.host_pool import available_host_memory_bytes, plan_host_pool_from_config
-from .offload.keys import hash_token_blocks
+from .offload.keys import BlockHash, hash_token_blocks
 from .offload.manager import HostBlockManager
+from .offload.pool_files import available_host_memory_bytes
+from .offload.pool_plan import plan_host_pool_from_config
 from .offload.scheduler import OffloadScheduler
 from .packed import Int32Array, Int64Array
 from .runtime.cluster import DEFAULT_WORKER_TIMEOUT_S, WorkerCluster
@@ -171,7 +172,7 @@ class _Request:
     tokens: list[int]
     prompt_len: int
     decode_left: int
-    hashes: list[bytes]
+    hashes: list[BlockHash]
     blocks: list[list[int]] = field(default_factory=list)
     num_computed: int = 0
     loaded: int = 0

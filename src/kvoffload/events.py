@@ -26,6 +26,7 @@ import zmq
 
 from . import wire
 from ._generated import KVEvent, KVEventBatch
+from ._ints import check_int
 from .errors import ConfigError, WireError
 
 __all__ = ["DEFAULT_TOPIC", "KVEventPublisher", "KVEventSubscriber", "ReceivedBatch", "SequenceGap"]
@@ -57,8 +58,7 @@ class KVEventPublisher:
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
         _check_endpoint(endpoint)
-        if isinstance(hwm, bool) or not isinstance(hwm, int) or hwm < 1:
-            raise ConfigError(f"hwm must be an int >= 1, got {hwm!r}")
+        check_int("hwm", hwm, 1)
         if not isinstance(topic, bytes):
             raise ConfigError(f"topic must be bytes, got {topic!r}")
         self.engine_id = engine_id

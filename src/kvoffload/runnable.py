@@ -17,7 +17,7 @@ What it covers (each one a value the runtime cannot work with):
   copy).
 
 It does not judge whether the tensors' placement matches the specs' page sizes: vLLM's recorded cases include
-synthetic snapshots where they disagree, and a worker checks its own copy layout when it starts (a failure
+synthetic snapshots where they disagree, and a worker checks its own transfer layout when it starts (a failure
 there reaches the scheduler as a WorkerFailure naming the cause). Of the 20 recorded cases vLLM 0.33.0 accepts
 (tests/data/translate_cases.jsonl), the 3 without any KV tensor are refused, the 17 others pass.
 """
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from ._generated import EngineSnapshot, OffloadingConfig
 from .errors import ConfigError, HostMemoryError
-from .offload.host_pool import plan_host_pool_from_config
 from .offload.policy import available_policies
+from .offload.pool_plan import plan_host_pool_from_config
 
 __all__ = ["validate_runnable"]
 

@@ -19,6 +19,7 @@ import msgspec
 
 from ._generated import codecs
 from ._generated.types import EngineSnapshot
+from ._ints import check_int
 from .errors import ConfigError
 
 __all__ = ["DEFAULT_MAX_SNAPSHOT_BYTES", "load_snapshot"]
@@ -39,8 +40,7 @@ def load_snapshot(path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_
     most ``max_bytes`` bytes are read (a larger input, e.g. ``/dev/zero``, is refused without reading on),
     and a document nested too deeply to decode is refused instead of raising RecursionError.
     """
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-        raise ConfigError(f"max_bytes={max_bytes!r} must be an int >= 1")
+    check_int("max_bytes", max_bytes, 1, value_first=True)
     file = Path(path)
     try:
         with file.open("rb") as handle:

@@ -50,12 +50,12 @@ from ._generated.types import (
     SlidingWindowMLASpec,
     UniformTypeKVCacheSpecs,
 )
+from ._ints import round_up
 from ._page_math import (
     group_kv_bytes_per_block,
     prefix_cacheable,
     resolve_dcp_kv_block_size,
     resolve_kv_cache_block_sizes,
-    round_up,
     sliding_window_size_in_chunks,
     spec_kind,
 )

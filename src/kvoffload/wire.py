@@ -43,6 +43,7 @@ from ._generated.types import (
     Message,
     PeerRole,
 )
+from ._ints import check_int
 from .errors import ArgumentTypeError, ConfigError, SchemaMismatchError, WireError
 from .packed import Buffer
 
@@ -312,10 +313,8 @@ def make_hello(role: PeerRole | str, rank: int, world_size: int, engine_id: str)
         peer_role = PeerRole(role)
     except ValueError:
         raise ConfigError(f"role {role!r} is not one of {[r.value for r in PeerRole]}") from None
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ConfigError(f"rank must be an int >= 0, got {rank!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
+    check_int("rank", rank)
+    check_int("world_size", world_size, 1)
     if peer_role is PeerRole.WORKER and rank >= world_size:
         raise ConfigError(f"worker rank {rank} is outside world_size {world_size}")
     if not isinstance(engine_id, str) or not engine_id:

@@ -22,15 +22,15 @@ from kvoffload.offload.copy import (
     CopyEngine,
     CopyRuns,
     IdsLike,
-    Placement,
     TransferLayout,
     build_copy_runs,
     build_transfer_layout,
     cpu,
     cuda,
 )
-from kvoffload.offload.host_pool import HostPool, plan_host_pool
-from tests.helpers import offloading_config
+from kvoffload.offload.host_pool import HostPool
+from kvoffload.offload.pool_plan import plan_host_pool
+from tests.helpers import Placement, offloading_config
 
 # -- engine memory descriptions and the plain reference model ------------------------------------------
 

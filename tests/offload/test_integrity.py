@@ -16,14 +16,15 @@ from hypothesis import strategies as st
 
 from kvoffload.offload.copy import (
     CopyEngine,
-    Placement,
     TransferLayout,
     TransferResult,
     build_block_slots,
     build_transfer_layout,
 )
-from kvoffload.offload.host_pool import HostPool, HostPoolPlan, plan_host_pool
+from kvoffload.offload.host_pool import HostPool
 from kvoffload.offload.integrity import SEALED, TAGGED, key_tag
+from kvoffload.offload.pool_plan import HostPoolPlan, plan_host_pool
+from tests.helpers import Placement
 
 PAGE = 64
 BLOCKS = 16

@@ -15,15 +15,11 @@ from types import ModuleType
 import pytest
 
 from kvoffload.errors import ConfigError, InvalidStateError
+from kvoffload.offload.arc_policy import ARCPolicy
 from kvoffload.offload.keys import make_offload_key
-from kvoffload.offload.manager import (
-    HostBlockManager,
-    LookupResult,
-    ManagerStats,
-    OffloadEvent,
-    StorePlan,
-)
-from kvoffload.offload.policy import ARCPolicy, LRUPolicy
+from kvoffload.offload.lru_policy import LRUPolicy
+from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.manager_results import LookupResult, ManagerStats, OffloadEvent, StorePlan
 
 MISS = LookupResult.MISS
 HIT = LookupResult.HIT

@@ -6,7 +6,8 @@ import pytest
 
 from kvoffload.errors import InvalidStateError
 from kvoffload.offload.keys import make_offload_key
-from kvoffload.offload.manager import HostBlockManager, LookupResult, OffloadEvent
+from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.manager_results import LookupResult, OffloadEvent
 
 
 def k(i: int) -> bytes:

@@ -10,14 +10,10 @@ from hypothesis import strategies as st
 
 import kvoffload.offload.policy as policy_module
 from kvoffload.errors import ConfigError
-from kvoffload.offload.policy import (
-    ARCPolicy,
-    CachePolicy,
-    LRUPolicy,
-    available_policies,
-    make_policy,
-    register_policy,
-)
+from kvoffload.offload.arc_policy import ARCPolicy
+from kvoffload.offload.cache_policy import CachePolicy
+from kvoffload.offload.lru_policy import LRUPolicy
+from kvoffload.offload.policy import available_policies, make_policy, register_policy
 
 
 def k(i: int) -> bytes:

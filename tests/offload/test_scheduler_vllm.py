@@ -18,7 +18,8 @@ from kvoffload import JobResult, StepPlan, WorkerReport
 from kvoffload.errors import ConfigError
 from kvoffload.offload.keys import make_offload_key
 from kvoffload.offload.lookup import maximal_prefix_lookup, sliding_window_lookup
-from kvoffload.offload.manager import HostBlockManager, LookupResult
+from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.manager_results import LookupResult
 from kvoffload.offload.policy import make_policy
 from kvoffload.offload.scheduler import OffloadScheduler
 from kvoffload.packed import unpack_int32, unpack_int64

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from kvoffload import StepPlan, TransferJob
-from kvoffload.offload.copy import CopyEngine, Placement, build_transfer_layout
-from kvoffload.offload.host_pool import HostPool, plan_host_pool
+from kvoffload.offload.copy import CopyEngine, build_transfer_layout
+from kvoffload.offload.host_pool import HostPool
+from kvoffload.offload.pool_plan import plan_host_pool
 from kvoffload.offload.worker import OffloadWorker
 from kvoffload.packed import pack_int64
-from tests.helpers import transfer_job
+from tests.helpers import Placement, transfer_job
 
 PAGE = 256
 BLOCKS = 8

@@ -19,9 +19,10 @@ from kvoffload._generated import BackpressureConfig, FsTierConfig, TieringConfig
 from kvoffload.demo import default_snapshot
 from kvoffload.errors import ConfigError
 from kvoffload.offload.copy import CopyEngine, transfer_layout_from_config
-from kvoffload.offload.host_pool import HostPool, plan_host_pool_from_config
+from kvoffload.offload.host_pool import HostPool
 from kvoffload.offload.keys import hash_token_blocks
 from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.pool_plan import plan_host_pool_from_config
 from kvoffload.offload.worker import OffloadWorker
 from kvoffload.tiers.cascade import TieredScheduler, start_embedded_servers
 from kvoffload.tiers.config import tiering_config_from_extra

@@ -1,10 +1,8 @@
-"""Host memory for offloaded KV chunks: sizing (:func:`plan_host_pool`) and allocation (:class:`HostPool`).
+"""Host memory for offloaded KV chunks: the :class:`HostPool` allocation, private or in shared memory.
 
-The pool is ONE ``uint8`` torch tensor of chunk rows. A row holds one chunk: for every worker sharing the row
-a *slot* of ``worker_kv_bytes_per_block * blocks_per_chunk`` bytes, where sub-block ``j`` of the slot holds
-engine block ``j`` of the chunk. Sizing follows vLLM 0.33's CPU offloading spec (reference §4.3); the optional
-shared-memory backing follows its shared offload region (§4.7): one file under ``/dev/shm`` that every rank
-maps, so a replicated layout keeps one copy of the cache for all ranks.
+The pool is ONE ``uint8`` torch tensor of chunk rows, sized by a :class:`~kvoffload.offload.pool_plan.HostPoolPlan`.
+The optional shared-memory backing follows vLLM 0.33's shared offload region: one file under ``/dev/shm`` that
+every rank maps, so a replicated offload (``replicated_layout``) keeps one copy of the cache for all ranks.
 """
 
 from __future__ import annotations
@@ -13,266 +11,27 @@ import contextlib
 import errno
 import mmap
 import os
-import re
 import time
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
+from kvoffload._ints import round_up
 from kvoffload.errors import ConfigError, HostMemoryError, InvalidStateError, WorkerError
-from kvoffload.offload.integrity import IntegrityTable, table_bytes, table_entries
+from kvoffload.offload.integrity import IntegrityTable, table_entries
+from kvoffload.offload.pool_files import available_host_memory_bytes, prefault, shared_pool_path
+from kvoffload.offload.pool_plan import PAGE_SIZE, HostPoolPlan
 
-if TYPE_CHECKING:
-    from kvoffload._generated import OffloadingConfig
+__all__ = ["HostPool"]
 
-__all__ = [
-    "PAGE_SIZE",
-    "HostPool",
-    "HostPoolPlan",
-    "available_host_memory_bytes",
-    "check_pools_fit",
-    "owned_pool_id",
-    "plan_host_pool",
-    "plan_host_pool_from_config",
-    "shared_pool_path",
-    "sweep_stale_pools",
-]
-
-PAGE_SIZE = mmap.PAGESIZE
-"""Plan rows are rounded up to this many bytes (the OS page size, vLLM's ``BLOCK_SIZE_ALIGNMENT``)."""
-
-_SAFE_ENGINE_ID = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _JOIN_POLL_S = 0.005
 
 
 def _cudart() -> Any:
     """torch's CUDA runtime bindings (untyped in torch)."""
     return torch.cuda.cudart()  # type: ignore[no-untyped-call]
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-@dataclass(frozen=True)
-class HostPoolPlan:
-    """How big the host pool is and where this rank's slot lives in each chunk row (reference §4.3).
-
-    ``slot_bytes`` is the per-worker slot (``worker_kv_bytes_per_block * blocks_per_chunk``); ``row_bytes``
-    is the page-rounded width of a row holding ``copies`` slots back to back; ``num_chunks`` rows fit in the
-    total budget ``cpu_bytes_to_use`` (shared by all workers). ``slot_offset`` is where this rank's slot
-    starts inside a row of a shared region; ``writes`` says whether this rank writes stores into a shared
-    region (in a replicated layout only rank 0 does, every rank reads).
-    """
-
-    worker_kv_bytes_per_block: int
-    blocks_per_chunk: int
-    world_size: int
-    rank: int
-    replicated: bool
-    cpu_bytes_to_use: int
-    copies: int
-    slot_bytes: int
-    row_bytes: int
-    num_chunks: int
-    slot_offset: int
-    writes: bool
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes of the whole (shared) pool: ``num_chunks * row_bytes``."""
-        return self.num_chunks * self.row_bytes
-
-    @property
-    def shared_file_bytes(self) -> int:
-        """Size of the shared-memory file: the rows, then the integrity table (0 when there are no rows)."""
-        if self.total_bytes == 0:
-            return 0
-        return self.total_bytes + table_bytes(self.num_chunks, self.copies, self.blocks_per_chunk)
-
-    def slot_offset_of(self, rank: int) -> int:
-        """Byte offset of ``rank``'s slot inside a shared row (0 for every rank when replicated)."""
-        _check_rank(rank, self.world_size)
-        return 0 if self.replicated else rank * self.slot_bytes
-
-
-def _check_rank(rank: int, world_size: int) -> None:
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"rank={rank} must be in [0, world_size={world_size})")
-
-
-def plan_host_pool(
-    *,
-    worker_kv_bytes_per_block: int,
-    world_size: int,
-    blocks_per_chunk: int,
-    cpu_bytes_to_use: int,
-    replicated: bool,
-    rank: int,
-) -> HostPoolPlan:
-    """Size the host pool from the TOTAL host budget ``cpu_bytes_to_use`` (all workers together).
-
-    Exactly vLLM 0.33's rule: ``copies = 1 if replicated else world_size``; ``raw_chunk =
-    worker_kv_bytes_per_block * copies * blocks_per_chunk``; ``slot_bytes = raw_chunk // copies``;
-    ``row_bytes = round_up(raw_chunk, PAGE_SIZE)``; ``num_chunks = cpu_bytes_to_use // row_bytes``; all
-    zero when ``worker_kv_bytes_per_block`` is 0. Raises :class:`ConfigError` for out-of-range inputs and
-    :class:`HostMemoryError` when the budget cannot hold a single chunk row.
-    """
-    for name, value, low in (
-        ("worker_kv_bytes_per_block", worker_kv_bytes_per_block, 0),
-        ("world_size", world_size, 1),
-        ("blocks_per_chunk", blocks_per_chunk, 1),
-    ):
-        if value < low:
-            raise ConfigError(f"{name}={value} must be >= {low}")
-    _check_rank(rank, world_size)
-    if cpu_bytes_to_use <= 0:
-        raise ConfigError(
-            f"cpu_bytes_to_use={cpu_bytes_to_use} must be > 0: it is the total host budget in bytes "
-            f"across all {world_size} workers"
-        )
-    copies = 1 if replicated else world_size
-    if worker_kv_bytes_per_block == 0:
-        slot_bytes = row_bytes = num_chunks = 0
-    else:
-        raw_chunk = worker_kv_bytes_per_block * copies * blocks_per_chunk
-        slot_bytes = raw_chunk // copies
-        row_bytes = _round_up(raw_chunk, PAGE_SIZE)
-        num_chunks = cpu_bytes_to_use // row_bytes
-        if num_chunks == 0:
-            raise HostMemoryError(
-                f"cpu_bytes_to_use={cpu_bytes_to_use} (the total host budget across all {world_size} "
-                f"workers) is smaller than one chunk row of row_bytes={row_bytes} "
-                f"(worker_kv_bytes_per_block={worker_kv_bytes_per_block} x copies={copies} x "
-                f"blocks_per_chunk={blocks_per_chunk}, rounded up to {PAGE_SIZE})"
-            )
-    return HostPoolPlan(
-        worker_kv_bytes_per_block=worker_kv_bytes_per_block,
-        blocks_per_chunk=blocks_per_chunk,
-        world_size=world_size,
-        rank=rank,
-        replicated=replicated,
-        cpu_bytes_to_use=cpu_bytes_to_use,
-        copies=copies,
-        slot_bytes=slot_bytes,
-        row_bytes=row_bytes,
-        num_chunks=num_chunks,
-        slot_offset=0 if replicated else rank * slot_bytes,
-        writes=not replicated or rank == 0,
-    )
-
-
-def plan_host_pool_from_config(config: OffloadingConfig) -> HostPoolPlan:
-    """:func:`plan_host_pool` for this worker of an :class:`OffloadingConfig`.
-
-    The budget is ``extra_config["cpu_bytes_to_use"]``, the total host bytes across all workers.
-    """
-    raw = config.extra_config.get("cpu_bytes_to_use")
-    if not raw:
-        raise ConfigError(
-            f"cpu_bytes_to_use={raw!r}: it must be specified in kv_connector_extra_config (the total host "
-            f"budget in bytes across all {config.parallel.world_size} workers)"
-        )
-    try:
-        if isinstance(raw, bool) or not isinstance(raw, int | float | str):
-            raise TypeError(type(raw).__name__)
-        budget = int(raw)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"cpu_bytes_to_use={raw!r} is not a number of bytes") from exc
-    return plan_host_pool(
-        worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
-        world_size=config.parallel.world_size,
-        blocks_per_chunk=config.cache.blocks_per_chunk,
-        cpu_bytes_to_use=budget,
-        replicated=config.replicated_layout,
-        rank=config.parallel.rank,
-    )
-
-
-def available_host_memory_bytes() -> int:
-    """Host memory the kernel could hand out now: ``MemAvailable`` when readable, else free physical pages."""
-    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo", encoding="ascii") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def shared_pool_path(engine_id: str, shm_dir: str | os.PathLike[str] = "/dev/shm") -> Path:
-    """Path of the shared-memory file that every rank of engine ``engine_id`` maps."""
-    if not _SAFE_ENGINE_ID.fullmatch(engine_id):
-        raise ConfigError(
-            f"engine_id={engine_id!r} cannot name a shared-memory file: use 1-200 characters from [A-Za-z0-9_.-]"
-        )
-    return Path(shm_dir) / f"kvoffload_{engine_id}.mmap"
-
-
-_OWNED_NAME = re.compile(r"kvoffload_.+\.pid([0-9]{1,10})\.mmap")
-
-
-def owned_pool_id(engine_id: str, pid: int | None = None) -> str:
-    """A shared-pool id that names its owner process (default: this one): ``{engine_id}.pid{pid}``.
-
-    The owner is the process that chose the name and outlives every rank mapping it (the scheduler of a
-    :class:`~kvoffload.runtime.cluster.WorkerCluster`). If it dies without removing the file (SIGKILL),
-    :func:`sweep_stale_pools` in a later run sees the owner is gone and removes it.
-    """
-    return f"{engine_id}.pid{os.getpid() if pid is None else pid}"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True  # another user's process, or a pid we cannot ask about: keep the file
-    return pid > 0
-
-
-def sweep_stale_pools(shm_dir: str | os.PathLike[str] = "/dev/shm") -> list[Path]:
-    """Remove shared-pool files named by :func:`owned_pool_id` whose owner process no longer exists.
-
-    Returns the removed paths. Files without an owner pid in their name are never touched; a reused pid only
-    keeps a stale file longer (it is never a reason to remove a live one).
-    """
-    removed: list[Path] = []
-    with contextlib.suppress(OSError):
-        for path in sorted(Path(shm_dir).glob("kvoffload_*.mmap")):
-            match = _OWNED_NAME.fullmatch(path.name)
-            if match is None or _pid_alive(int(match.group(1))):
-                continue
-            with contextlib.suppress(FileNotFoundError, PermissionError):
-                path.unlink()
-                removed.append(path)
-    return removed
-
-
-def check_pools_fit(plans: list[HostPoolPlan], *, shared: bool, available: int | None = None) -> None:
-    """Refuse, before any rank allocates, host pools that together exceed the memory available now.
-
-    ``plans`` holds one plan per rank of one machine; a shared pool is one file for all of them (the largest
-    plan's ``total_bytes``), private pools add up (``num_chunks * slot_bytes`` each). Raises HostMemoryError
-    with the numbers.
-    """
-    if not plans:
-        return
-    if shared:
-        needed = max(plan.total_bytes for plan in plans)
-        what = f"one shared pool of {needed} bytes for {len(plans)} ranks"
-    else:
-        sizes = [plan.num_chunks * plan.slot_bytes for plan in plans]
-        needed = sum(sizes)
-        what = f"{len(plans)} ranks x {max(sizes)} bytes" if len(set(sizes)) == 1 else f"ranks of {sizes} bytes"
-    free = available_host_memory_bytes() if available is None else available
-    if needed > free:
-        raise HostMemoryError(
-            f"host pools need {needed} bytes ({what}) but only {free} bytes of host memory are available; "
-            f"lower cpu_bytes_to_use (={plans[0].cpu_bytes_to_use}, the total across all workers)"
-        )
 
 
 def _check_fits(what: str, requested: int, available: int, plan: HostPoolPlan, row_bytes: int) -> None:
@@ -282,34 +41,6 @@ def _check_fits(what: str, requested: int, available: int, plan: HostPoolPlan, r
             f"only {available} bytes of {what} are available; lower cpu_bytes_to_use "
             f"(={plan.cpu_bytes_to_use}, the total across all {plan.world_size} workers)"
         )
-
-
-_MADV_POPULATE_WRITE = 23
-"""Linux 5.14+: fault pages in writable without changing them (Python 3.11's mmap has no name for it)."""
-
-
-def _prefault(mapping: mmap.mmap, ranges: list[tuple[int, int]]) -> None:
-    """Map every page of ``ranges`` into this process now, writable.
-
-    A fresh shared mapping has no pages: the first write to each 4 KiB page takes a fault (allocating and
-    zeroing it in the creator, mapping it in every other rank), which made stores into a shared pool ~5x
-    slower than into a private pool (whose ``torch.zeros`` touched every page up front). Kernels without
-    ``MADV_POPULATE_WRITE`` get a read-modify-write of one byte per page instead (the pool is not in use yet).
-    """
-    try:
-        for start, length in ranges:
-            if length > 0:
-                mapping.madvise(_MADV_POPULATE_WRITE, start, length)
-        return
-    except (OSError, ValueError):
-        pass
-    view = memoryview(mapping)
-    try:
-        for start, length in ranges:
-            for page in range(start, start + length, PAGE_SIZE):
-                view[page] |= 0
-    finally:
-        view.release()
 
 
 class _Resources:
@@ -443,7 +174,7 @@ class HostPool:
             else:
                 self._wait_for_creator(res.fd, path, total, deadline, join_timeout_s)
             mapping = mmap.mmap(res.fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            _prefault(mapping, self._own_ranges(total))
+            prefault(mapping, self._own_ranges(total))
         except BaseException:
             res.release()
             raise
@@ -456,13 +187,13 @@ class HostPool:
 
     def _own_ranges(self, total: int) -> list[tuple[int, int]]:
         """Page-rounded byte ranges of the shared file this rank reads and writes: its slot of every row (the
-        whole rows when it is the only slot or the layout is replicated) and the integrity table."""
+        whole rows when it is the only slot or the offload is replicated) and the integrity table."""
         plan = self._plan
         rows_total = plan.total_bytes
         if plan.copies == 1 or plan.replicated:
             return [(0, total)]
         first = self._slot_offset // PAGE_SIZE * PAGE_SIZE
-        last = _round_up(self._slot_offset + plan.slot_bytes, PAGE_SIZE)
+        last = round_up(self._slot_offset + plan.slot_bytes, PAGE_SIZE)
         ranges = [(row * self._row_bytes + first, last - first) for row in range(plan.num_chunks)]
         ranges.append((rows_total, total - rows_total))
         return ranges

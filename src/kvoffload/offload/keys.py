@@ -15,13 +15,17 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from typing import NewType
 
+from kvoffload._ints import check_int
 from kvoffload.errors import ConfigError
 
 __all__ = [
     "DEFAULT_HASH_SEED",
     "GROUP_ID_BYTES",
     "MAX_GROUP_ID",
+    "BlockHash",
+    "OffloadKey",
     "chunk_keys",
     "hash_token_blocks",
     "hashes_per_chunk",
@@ -29,6 +33,20 @@ __all__ = [
     "offload_key_group",
     "offload_key_hash",
 ]
+
+BlockHash = NewType("BlockHash", bytes)
+"""An engine's hash of one hash-block of tokens, chained over the prefix (what :func:`hash_token_blocks` returns).
+
+Distinct from :data:`OffloadKey` for the type checker: a block hash names tokens, an offload key names a chunk
+of one KV-cache group in the host pool. Wrap an engine's own hash bytes with ``BlockHash(h)``.
+"""
+
+OffloadKey = NewType("OffloadKey", bytes)
+"""The name of one chunk in the host pool: a :data:`BlockHash` followed by the 4-byte big-endian group id.
+
+Built by :func:`make_offload_key` and :func:`chunk_keys`; taken by the host block manager, its cache policies
+and the scheduler.
+"""
 
 GROUP_ID_BYTES = 4
 """Width of the group-id suffix of an offload key (big-endian, unsigned)."""
@@ -49,21 +67,17 @@ _INT64_MAX = 2**63 - 1
 
 def _group_suffix(group_id: int) -> bytes:
     """Encode a group id as the 4-byte key suffix, rejecting values that do not fit."""
-    if isinstance(group_id, bool) or not isinstance(group_id, int):
-        raise ConfigError(f"group_id must be an int, got {group_id!r}")
-    if not 0 <= group_id <= MAX_GROUP_ID:
-        raise ConfigError(f"group_id must be in 0..{MAX_GROUP_ID}, got {group_id}")
-    return group_id.to_bytes(GROUP_ID_BYTES, "big")
+    return check_int("group_id", group_id, 0, MAX_GROUP_ID).to_bytes(GROUP_ID_BYTES, "big")
 
 
-def make_offload_key(block_hash: bytes, group_id: int) -> bytes:
+def make_offload_key(block_hash: BlockHash, group_id: int) -> OffloadKey:
     """Return the offload key of ``block_hash`` in KV-cache group ``group_id`` (hash + 4-byte BE group id).
 
     ``group_id`` is the engine's KV-cache group id (not an index among offloaded groups), as in vLLM.
     """
     if not isinstance(block_hash, bytes):
         raise ConfigError(f"block_hash must be bytes, got {type(block_hash).__name__}")
-    return block_hash + _group_suffix(group_id)
+    return OffloadKey(block_hash + _group_suffix(group_id))
 
 
 def _check_key(key: bytes) -> None:
@@ -72,23 +86,16 @@ def _check_key(key: bytes) -> None:
         raise ConfigError(f"offload key must be bytes of length >= {GROUP_ID_BYTES}, got {key!r}")
 
 
-def offload_key_hash(key: bytes) -> bytes:
+def offload_key_hash(key: OffloadKey) -> BlockHash:
     """Return the block-hash part of an offload key (everything but the 4-byte group suffix)."""
     _check_key(key)
-    return key[:-GROUP_ID_BYTES]
+    return BlockHash(key[:-GROUP_ID_BYTES])
 
 
-def offload_key_group(key: bytes) -> int:
+def offload_key_group(key: OffloadKey) -> int:
     """Return the KV-cache group id encoded in the last 4 bytes of an offload key."""
     _check_key(key)
     return int.from_bytes(key[-GROUP_ID_BYTES:], "big")
-
-
-def _positive_int(name: str, value: int) -> int:
-    """Return ``value`` if it is an int >= 1, else raise a ConfigError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
-    return value
 
 
 def hashes_per_chunk(tokens_per_block: int, blocks_per_chunk: int, tokens_per_hash: int) -> int:
@@ -97,9 +104,9 @@ def hashes_per_chunk(tokens_per_block: int, blocks_per_chunk: int, tokens_per_ha
     The chunk must span a whole, non-zero number of hash-blocks, otherwise its key (the hash of its last
     hash-block) would not end on a chunk boundary; anything else raises :class:`ConfigError`.
     """
-    tpb = _positive_int("tokens_per_block", tokens_per_block)
-    bpc = _positive_int("blocks_per_chunk", blocks_per_chunk)
-    tph = _positive_int("tokens_per_hash", tokens_per_hash)
+    tpb = check_int("tokens_per_block", tokens_per_block, 1)
+    bpc = check_int("blocks_per_chunk", blocks_per_chunk, 1)
+    tph = check_int("tokens_per_hash", tokens_per_hash, 1)
     tokens_per_chunk = tpb * bpc
     if tokens_per_chunk % tph:
         raise ConfigError(
@@ -110,28 +117,27 @@ def hashes_per_chunk(tokens_per_block: int, blocks_per_chunk: int, tokens_per_ha
 
 
 def chunk_keys(
-    block_hashes: Sequence[bytes], group_id: int, hashes_per_chunk: int, start_chunk: int = 0
-) -> list[bytes]:
+    block_hashes: Sequence[BlockHash], group_id: int, hashes_per_chunk: int, start_chunk: int = 0
+) -> list[OffloadKey]:
     """Return the offload keys of the complete chunks from ``start_chunk`` on.
 
     Chunk ``i`` is keyed by ``block_hashes[(i + 1) * hashes_per_chunk - 1]`` (its last hash-block), as in
     vLLM's ``update_offload_keys``; a trailing partial chunk gets no key until its last hash exists.
     """
-    hpc = _positive_int("hashes_per_chunk", hashes_per_chunk)
-    if isinstance(start_chunk, bool) or not isinstance(start_chunk, int) or start_chunk < 0:
-        raise ConfigError(f"start_chunk must be an int >= 0, got {start_chunk!r}")
+    hpc = check_int("hashes_per_chunk", hashes_per_chunk, 1)
+    check_int("start_chunk", start_chunk)
     suffix = _group_suffix(group_id)
     last = len(block_hashes)
-    return [block_hashes[i] + suffix for i in range((start_chunk + 1) * hpc - 1, last, hpc)]
+    return [OffloadKey(block_hashes[i] + suffix) for i in range((start_chunk + 1) * hpc - 1, last, hpc)]
 
 
 def hash_token_blocks(
     token_ids: Sequence[int],
     tokens_per_hash: int,
     *,
-    parent: bytes | None = None,
+    parent: BlockHash | None = None,
     seed: bytes = DEFAULT_HASH_SEED,
-) -> list[bytes]:
+) -> list[BlockHash]:
     """Hash each complete block of ``tokens_per_hash`` tokens into a prefix-chained sha256 digest.
 
     Block ``j`` hashes to ``sha256(h[j-1] || int64_le(t_0) || ... || int64_le(t_{n-1}))`` with
@@ -139,7 +145,7 @@ def hash_token_blocks(
     last hash of earlier blocks as ``parent`` to continue a sequence incrementally. A trailing partial
     block is not hashed. Token ids must fit a signed 64-bit integer.
     """
-    tph = _positive_int("tokens_per_hash", tokens_per_hash)
+    tph = check_int("tokens_per_hash", tokens_per_hash, 1)
     if parent is None:
         if not isinstance(seed, bytes):
             raise ConfigError(f"seed must be bytes, got {type(seed).__name__}")
@@ -153,7 +159,7 @@ def hash_token_blocks(
         return []
     packer = struct.Struct(f"<{tph}q")
     sha256 = hashlib.sha256
-    out: list[bytes] = []
+    out: list[BlockHash] = []
     for j in range(num_blocks):
         block = token_ids[j * tph : (j + 1) * tph]
         try:
@@ -164,7 +170,7 @@ def hash_token_blocks(
                 f"token_ids[{j * tph}:{(j + 1) * tph}] holds {bad!r}, which is not a signed 64-bit int"
             ) from exc
         prev = sha256(prev + payload).digest()
-        out.append(prev)
+        out.append(BlockHash(prev))
     return out
 
 

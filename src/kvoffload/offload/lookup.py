@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from .manager import LookupResult
+from .keys import OffloadKey
+from .manager_results import LookupResult
 
 __all__ = ["maximal_prefix_lookup", "sliding_window_lookup"]
 
@@ -19,10 +20,10 @@ _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _HIT_PENDING = LookupResult.HIT_PENDING
 
-Lookup = Callable[[bytes], LookupResult]
+Lookup = Callable[[OffloadKey], LookupResult]
 
 
-def maximal_prefix_lookup(lookup: Lookup, keys: Sequence[bytes]) -> int | None:
+def maximal_prefix_lookup(lookup: Lookup, keys: Sequence[OffloadKey]) -> int | None:
     """Chunks present from the start of ``keys`` up to the first MISS, or None if any answer deferred.
 
     The scan stops at the first MISS only: it goes on past HIT_PENDING (counted) and RETRY (not counted).
@@ -44,7 +45,7 @@ def maximal_prefix_lookup(lookup: Lookup, keys: Sequence[bytes]) -> int | None:
 
 
 def sliding_window_lookup(
-    lookup: Lookup, keys: Sequence[bytes], window: int, initial_window: int | None = None
+    lookup: Lookup, keys: Sequence[OffloadKey], window: int, initial_window: int | None = None
 ) -> int | None:
     """End (in ``keys``) of the rightmost run of ``window`` present chunks, scanning from the right.
 

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._generated import MissReason
+from .._ints import cdiv
+from .keys import OffloadKey
 from .manager import HostBlockManager
 
 __all__ = ["ChunkMiss", "GroupKeys", "explain_lookup", "primary_reason"]
@@ -36,7 +38,7 @@ class ChunkMiss:
     """Chunk index within the request (chunk ``i`` covers tokens ``[i * tpc, (i + 1) * tpc)``)."""
     start_token: int
     """First token the chunk covers."""
-    key: bytes
+    key: OffloadKey
     """The chunk's offload key."""
     reason: MissReason
     """Why it was not loaded."""
@@ -49,7 +51,7 @@ class GroupKeys:
     group_id: int
     tokens_per_chunk: int
     window_chunks: int | None
-    keys: Sequence[bytes]
+    keys: Sequence[OffloadKey]
 
 
 def explain_lookup(
@@ -75,7 +77,7 @@ def explain_lookup(
         first = num_computed // tpc
         last = min(len(keys), wanted_end // tpc)
         if hit_end > num_computed:
-            hi = -(-hit_end // tpc)
+            hi = cdiv(hit_end, tpc)
             lo = first if g.window_chunks is None else max(first, hi - max(1, g.window_chunks))
         else:
             lo = hi = first

@@ -17,7 +17,8 @@ from multiprocessing.connection import Connection
 
 from .. import wire
 from .._generated import Message
-from ..errors import ConfigError, DeadlineError, WireError, WorkerError
+from .._ints import check_int
+from ..errors import DeadlineError, WireError, WorkerError
 
 __all__ = ["DEFAULT_MAX_ATTACHMENTS", "DEFAULT_MAX_ATTACHMENT_BYTES", "Channel"]
 
@@ -48,8 +49,7 @@ class Channel:
             ("max_attachments", max_attachments),
             ("max_attachment_bytes", max_attachment_bytes),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name}={value!r} must be an int >= 0")
+            check_int(name, value, value_first=True)
         self.conn = conn
         self.max_body_bytes = max_body_bytes
         self.max_attachments = max_attachments

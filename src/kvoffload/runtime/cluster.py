@@ -41,13 +41,8 @@ from .._generated import (
     codecs,
 )
 from ..errors import ConfigError, WireError, WorkerError
-from ..offload.host_pool import (
-    check_pools_fit,
-    owned_pool_id,
-    plan_host_pool_from_config,
-    shared_pool_path,
-    sweep_stale_pools,
-)
+from ..offload.pool_files import check_pools_fit, owned_pool_id, shared_pool_path, sweep_stale_pools
+from ..offload.pool_plan import plan_host_pool_from_config
 from ..runnable import validate_runnable
 from .channel import Channel
 from .worker_process import WorkerSpec, rank_config, run_worker

@@ -48,7 +48,8 @@ from .._generated import (
 )
 from ..errors import ConfigError, WireError, WorkerError
 from ..offload.copy import CopyEngine, TransferLayout, transfer_layout_from_config
-from ..offload.host_pool import HostPool, plan_host_pool_from_config
+from ..offload.host_pool import HostPool
+from ..offload.pool_plan import plan_host_pool_from_config
 from ..offload.worker import OffloadWorker
 from ..packed import Int64Array
 from ..translate import translate_snapshot

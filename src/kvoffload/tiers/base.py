@@ -1,6 +1,6 @@
 """What a secondary tier is: batch stores and loads of records keyed by chunk key, asynchronous, with lookups.
 
-A tier instance serves ONE namespace (one model, layout and rank: see :mod:`kvoffload.tiers.namespace`). It
+A tier instance serves ONE namespace (one model configuration and rank: see :mod:`kvoffload.tiers.namespace`). It
 never touches engine memory: it moves whole host chunk rows (this rank's slot of a host pool row) to and
 from its medium as :mod:`records <kvoffload.tiers.record>`. ``submit_store``/``submit_load`` return at once;
 the work runs on the tier's own threads and finished jobs are collected with ``get_finished`` (vLLM's
@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from .._ints import cdiv
 from ..errors import InvalidStateError, RecordError, TierError
 
 __all__ = ["SecondaryTier", "TierBase", "TierJobResult", "TierStats"]
@@ -172,7 +173,7 @@ class TierBase:
         parts = min(n, self._n_write if is_store else self._n_read)
         if parts <= 1:
             return [range(n)]
-        step = -(-n // parts)
+        step = cdiv(n, parts)
         return [range(i, min(n, i + step)) for i in range(0, n, step)]
 
     # ------------------------------------------------------------------ availability

@@ -3,7 +3,7 @@
 Where the work runs, and why: kvoffload's host pool rows live in the worker processes (one ``HostPool`` per
 rank, or one shared ``/dev/shm`` region), so the tier IO runs in each worker on its own rows
 (:class:`~kvoffload.tiers.worker.TierWorker`), reading and writing its own namespace (rank-specific unless the
-layout is replicated). The scheduler decides (:class:`TieredScheduler`, this module); it ships the decisions as
+offload is replicated). The scheduler decides (:class:`TieredScheduler`, this module); it ships the decisions as
 ``TierJob`` lists on the ``StepPlan`` and gets ``TierJobResult`` lists back on each ``WorkerReport``, like copy
 jobs. A tier chunk counts as present only when every rank's namespace has it. Lookups are metadata queries (a
 stat, an EXISTS) that the scheduler runs itself, on a background thread.
@@ -45,8 +45,10 @@ from .._generated import (
     WorkerReport,
 )
 from ..errors import InvalidStateError
+from ..offload.keys import OffloadKey
 from ..offload.manager import HostBlockManager
-from ..offload.scheduler import OffloadScheduler, ReportOutcome
+from ..offload.scheduler import OffloadScheduler
+from ..offload.scheduler_results import ReportOutcome
 from ..packed import Int32Array, pack_int64
 from .backpressure import EMABackpressureDetector, resolve_backpressure
 from .base import SecondaryTier
@@ -122,7 +124,7 @@ class _TierJobState:
 
 @dataclass(slots=True)
 class _Query:
-    keys: list[bytes]
+    keys: list[OffloadKey]
     future: Future[list[list[bool]]]
 
 
@@ -160,12 +162,12 @@ class TieredScheduler(OffloadScheduler):
         self.tier_stats = [TierStatsRow(_tier_type(t)) for t in tiering.secondary_tiers]
         self._query_pool = ThreadPoolExecutor(1, thread_name_prefix="kvo-tier-lookup")
         self._queries: dict[str, _Query] = {}
-        self._queried: dict[str, set[bytes]] = {}
+        self._queried: dict[str, set[OffloadKey]] = {}
         self._promoting: dict[str, set[int]] = {}
         self._tier_jobs: dict[int, _TierJobState] = {}
         self._next_tier_job = 0
         self._queued_tier_jobs: list[TierJob] = []
-        self._cascade_queue: list[bytes] = []
+        self._cascade_queue: list[OffloadKey] = []
         self._tier_counters = {"tier_lookups_retry": 0, "promotions_refused": 0, "tier_hits": 0}
         self._poll_s = tiering.tier_poll_interval_s
 
@@ -210,18 +212,18 @@ class TieredScheduler(OffloadScheduler):
         self._counters["lookups_deferred"] += 1
         return None
 
-    def _host_misses(self, req: object, num_computed: int) -> list[bytes]:
+    def _host_misses(self, req: object, num_computed: int) -> list[OffloadKey]:
         """Keys of the request's chunks past ``num_computed`` that the host pool does not hold, in order."""
         keys_of = getattr(req, "keys")  # noqa: B009 - the base scheduler's per-group key lists
-        out: list[bytes] = []
+        out: list[OffloadKey] = []
         manager = self.manager
         for g in self._groups:
-            keys: list[bytes] = keys_of[g.index]
+            keys: list[OffloadKey] = keys_of[g.index]
             first = num_computed // g.tokens_per_chunk
             out.extend(k for k in keys[first:] if k not in manager)
         return out
 
-    def _query(self, keys: list[bytes]) -> list[list[bool]]:
+    def _query(self, keys: list[OffloadKey]) -> list[list[bool]]:
         """Per tier, whether each key is present in every rank's namespace (runs on the query thread)."""
         result: list[list[bool]] = []
         for per_rank in self._lookup_tiers:
@@ -235,7 +237,7 @@ class TieredScheduler(OffloadScheduler):
     def _promote(self, req: object, num_computed: int, query: _Query) -> bool:
         """Allocate host chunks for the tier hits and queue one promotion job per tier; True if queued."""
         found = query.future.result()
-        where: dict[bytes, int] = {}
+        where: dict[OffloadKey, int] = {}
         for i, key in enumerate(query.keys):
             for t, present in enumerate(found):
                 if present[i]:
@@ -245,10 +247,10 @@ class TieredScheduler(OffloadScheduler):
             return False
         keys_of = getattr(req, "keys")  # noqa: B009
         req_id: str = getattr(req, "req_id")  # noqa: B009
-        wanted: list[bytes] = []
-        tokens: dict[bytes, int] = {}
+        wanted: list[OffloadKey] = []
+        tokens: dict[OffloadKey, int] = {}
         for g in self._groups:
-            keys: list[bytes] = keys_of[g.index]
+            keys: list[OffloadKey] = keys_of[g.index]
             first = num_computed // g.tokens_per_chunk
             for key in keys[first:]:
                 if key in self.manager:
@@ -264,7 +266,7 @@ class TieredScheduler(OffloadScheduler):
         if plan is None or not plan.keys_to_store:
             self._tier_counters["promotions_refused"] += 1
             return False  # host memory is full: a MISS, the engine recomputes
-        by_tier: dict[int, tuple[list[bytes], list[int]]] = {}
+        by_tier: dict[int, tuple[list[OffloadKey], list[int]]] = {}
         for key, chunk in zip(plan.keys_to_store, plan.chunk_ids, strict=True):
             keys, chunks = by_tier.setdefault(where[key], ([], []))
             keys.append(key)
@@ -276,7 +278,7 @@ class TieredScheduler(OffloadScheduler):
         return True
 
     def _new_tier_job(
-        self, tier: int, is_promotion: bool, keys: list[bytes], chunks: list[int], req_id: str | None, tokens: int
+        self, tier: int, is_promotion: bool, keys: list[OffloadKey], chunks: list[int], req_id: str | None, tokens: int
     ) -> TierJob:
         job = TierJob(
             job_id=self._next_tier_job,
@@ -306,7 +308,7 @@ class TieredScheduler(OffloadScheduler):
         manager = self.manager
         # Pin the chunks that are still ready (one may be evicted or reset between its completion and this
         # plan); pinning is also the readiness check, so lookup statistics stay the engine's own.
-        ready: list[bytes] = []
+        ready: list[OffloadKey] = []
         chunks: list[int] = []
         for key in dict.fromkeys(keys):
             try:
@@ -360,7 +362,7 @@ class TieredScheduler(OffloadScheduler):
         del self._tier_jobs[state.job.job_id]
         job = state.job
         row = self.tier_stats[job.tier]
-        keys = list(job.keys)
+        keys = [OffloadKey(key) for key in job.keys]  # the wire type holds plain bytes
         bad = [keys[i] for i in sorted(state.failed) if i < len(keys)]
         good = [k for i, k in enumerate(keys) if i not in state.failed]
         if job.is_promotion:

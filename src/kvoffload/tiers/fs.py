@@ -1,6 +1,6 @@
 """The disk tier: one record file per chunk key under a namespace directory, written atomically.
 
-Layout: ``{root_dir}/{namespace.dirname}/{hex[:2]}/{hex}.bin`` with ``hex = key.hex()`` (the chunk key holds
+Paths: ``{root_dir}/{namespace.dirname}/{hex[:2]}/{hex}.bin`` with ``hex = key.hex()`` (the chunk key holds
 the group id), plus ``namespace.json`` (the hashed fields, for humans). A record is written to a temporary
 name in the same directory (``.tmp-{pid}-{n}``) and renamed over its final name, so a reader either sees no
 file or a whole record: never a torn one. ``fsync=False`` (the default, as vLLM's fs tier) skips the flush
@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
+from .._ints import check_int, check_optional_int, round_up
 from ..errors import ConfigError, RecordError, TierError
 from .base import TierBase
 from .namespace import Namespace
@@ -44,10 +45,6 @@ _DOWN_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 _tmp_counter = itertools.count()
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 class _Staging(threading.local):
     """A page-aligned buffer per thread for O_DIRECT (anonymous mmaps are page-aligned)."""
 
@@ -57,7 +54,7 @@ class _Staging(threading.local):
         if self.buf is None or len(self.buf) < size:
             if self.buf is not None:
                 self.buf.close()
-            self.buf = mmap.mmap(-1, _round_up(size, _PAGE))
+            self.buf = mmap.mmap(-1, round_up(size, _PAGE))
         return self.buf
 
 
@@ -96,10 +93,8 @@ class FsTier(TierBase):
         max_backoff_s: float = 30.0,
     ) -> None:
         for field_name, value in (("n_read_threads", n_read_threads), ("n_write_threads", n_write_threads)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"fs tier: {field_name} must be an int >= 1, got {value!r}")
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1):
-            raise ConfigError(f"fs tier: max_bytes must be an int >= 1 or None, got {max_bytes!r}")
+            check_int(field_name, value, 1, where="fs tier: ")
+        check_optional_int("max_bytes", max_bytes, 1, where="fs tier: ")
         if not str(root_dir):
             raise ConfigError("fs tier: root_dir must be a non-empty path")
         super().__init__(
@@ -268,7 +263,7 @@ class FsTier(TierBase):
     def _write_file(self, tmp: str, header: bytes, row: memoryview) -> int:
         total = len(header) + len(row)
         if self._odirect:
-            size = _round_up(total, _PAGE)
+            size = round_up(total, _PAGE)
             buf = self._staging.get(size)
             view = memoryview(buf)
             view[: len(header)] = header
@@ -311,7 +306,7 @@ class FsTier(TierBase):
             return None
         try:
             if self._odirect:
-                size = _round_up(head_len + len(row), _PAGE)
+                size = round_up(head_len + len(row), _PAGE)
                 buf = self._staging.get(size)
                 view = memoryview(buf)
                 n = _read_direct(fd, view[:size])

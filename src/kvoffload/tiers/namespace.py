@@ -1,11 +1,11 @@
 """Namespaces: which records a tier instance may read, derived from everything that shapes a chunk row.
 
 Two engines share records only when their rows are byte-compatible: same model, cache dtype, hashing and
-chunking, groups (tokens per block, layer names), parallel layout, page size, and (unless the layout is
-replicated, where every rank holds the same bytes) the same rank. All of these go into a canonical JSON
-document whose sha256 names the namespace (as vLLM's ``FileMapper`` does, reference §4.9, extended with the
-page size and the record format), so a different model, dtype, page size or layout never reads another's
-records.
+chunking, groups (tokens per block, layer names), parallel configuration, page size, and (unless the offload
+is replicated, ``replicated_layout``: every rank holds the same bytes) the same rank. All of these go into a
+canonical JSON document whose sha256 names the namespace (as vLLM's ``FileMapper`` does, extended with the
+page size and the record format), so a different model, dtype, page size or parallel configuration never
+reads another's records.
 """
 
 from __future__ import annotations
@@ -76,6 +76,6 @@ def namespace_for(config: OffloadingConfig, rank: int | None = None, *, row_byte
 
 
 def namespaces_for_all_ranks(config: OffloadingConfig) -> list[Namespace]:
-    """One namespace per rank that holds its own bytes (a single one for a replicated layout)."""
+    """One namespace per rank that holds its own bytes (a single one when the offload is replicated)."""
     ranks = [0] if config.replicated_layout else list(range(config.parallel.world_size))
     return [namespace_for(config, r) for r in ranks]

@@ -1,6 +1,6 @@
 """The record format every secondary tier stores: a small header, the chunk key, then the chunk's bytes.
 
-Layout (little-endian)::
+Record format (little-endian)::
 
     offset  size  field
     0       4     magic  b"KVOR"

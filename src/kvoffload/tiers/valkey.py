@@ -30,6 +30,7 @@ import valkey
 import valkey.cluster
 import valkey.exceptions
 
+from .._ints import check_int
 from ..errors import ConfigError, RecordError, TierError
 from .base import TierBase
 from .namespace import Namespace
@@ -102,8 +103,7 @@ class ValkeyTier(TierBase):
     ) -> None:
         if not url:
             raise ConfigError("valkey tier: url must be non-empty (use EmbeddedValkey for a private server)")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError(f"valkey tier: batch_size must be an int >= 1, got {batch_size!r}")
+        check_int("batch_size", batch_size, 1, where="valkey tier: ")
         super().__init__(
             n_read_threads=n_read_threads,
             n_write_threads=n_write_threads,

@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - depends on the installed vLLM
 
 from ..._generated import LoadMode
 from ...errors import ConfigError
-from ...offload.scheduler import SchedulerStats
+from ...offload.scheduler_results import SchedulerStats
 from ...translate import translate_snapshot
 from ._config import parse_connector_config, parse_tiering_config
 from ._messages import (

@@ -21,8 +21,8 @@ from ..._generated import (
     VLLMConnectorConfig,
     WorkerReport,
 )
-from ...offload.host_pool import plan_host_pool_from_config
 from ...offload.manager import HostBlockManager
+from ...offload.pool_plan import plan_host_pool_from_config
 from ...offload.scheduler import OffloadScheduler
 from ...tiers.cascade import TieredScheduler
 

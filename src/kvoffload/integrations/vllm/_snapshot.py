@@ -21,6 +21,7 @@ from ..._generated import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
+from ..._ints import round_up
 from ...errors import ConfigError
 from ...translate import translate_snapshot
 
@@ -104,7 +105,7 @@ def snapshot_from_vllm(vllm_config: VllmConfig, kv_cache_config: VllmKVCacheConf
     """
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     ktc, kec = vllm_config.kv_transfer_config, vllm_config.kv_events_config
-    layout = getattr(cc, "kv_cache_layout", None)
+    kv_cache_layout = getattr(cc, "kv_cache_layout", None)
     engine: dict[str, object] = {
         "model_config": {
             "model": str(mc.model),
@@ -116,7 +117,9 @@ def snapshot_from_vllm(vllm_config: VllmConfig, kv_cache_config: VllmKVCacheConf
         "cache_config": {
             "block_size": int(cc.block_size),
             "cache_dtype": str(cc.cache_dtype),
-            "kv_cache_layout": None if layout is None else getattr(layout, "name", str(layout)),
+            "kv_cache_layout": None
+            if kv_cache_layout is None
+            else getattr(kv_cache_layout, "name", str(kv_cache_layout)),
             "enable_prefix_caching": bool(cc.enable_prefix_caching),
             "prefix_match_unit": getattr(cc, "prefix_match_unit", None),
         },
@@ -201,7 +204,7 @@ def _fit_chunk_size(snapshot: EngineSnapshot) -> EngineSnapshot:
     engine_block = sizes.pop()
     if wanted % engine_block == 0:
         return snapshot
-    fitted = -(-wanted // engine_block) * engine_block
+    fitted = round_up(wanted, engine_block)
     logger.warning(
         "kvoffload: kv_connector_extra_config['block_size']=%d is not a multiple of vLLM's KV block size (%d "
         "tokens); offloading chunks of %d tokens instead",

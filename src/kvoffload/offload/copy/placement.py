@@ -1,9 +1,10 @@
-"""Where pages live: the engine's placement description turned into per-layer copy segments.
+"""Where pages live: the engine's ``KVCacheTensor`` placements turned into a transfer layout of copy segments.
 
-:func:`build_transfer_layout` turns the engine's placement description (``KVCacheTensor``-like: layer ``l``
-of a placement has its page for block ``b`` at ``offset + l*layer_stride + b*block_stride`` of ONE flat
-backing allocation) plus the offloaded groups' layers into a :class:`TransferLayout`: where each page is in
-engine memory and where it goes inside the host per-block slot (``worker_kv_bytes_per_block`` bytes).
+:func:`build_transfer_layout` turns the engine's ``KVCacheTensor`` entries (layer ``l`` of an entry has its page
+for block ``b`` at ``offset + l*layer_stride + b*block_stride`` of ONE flat backing allocation) plus the
+offloaded groups' layers into a :class:`TransferLayout`: where each page is in engine memory and where it goes
+inside the host per-block slot (``worker_kv_bytes_per_block`` bytes). "Transfer layout" names only this
+page map; the engine's own page order (NHD/HND) is its ``kv_cache_layout``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from kvoffload._ints import check_int
 from kvoffload.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -20,17 +22,16 @@ if TYPE_CHECKING:
 __all__ = [
     "CopySegment",
     "GroupLayout",
+    "KVCacheTensorLike",
     "LayerPlacement",
-    "Placement",
-    "PlacementLike",
     "TransferLayout",
     "build_transfer_layout",
     "transfer_layout_from_config",
 ]
 
 
-class PlacementLike(Protocol):
-    """What a ``KVCacheTensor`` tells about placement (the generated type satisfies this protocol)."""
+class KVCacheTensorLike(Protocol):
+    """The fields of a ``KVCacheTensor`` that :func:`build_transfer_layout` reads (the schema type has them all)."""
 
     @property
     def size(self) -> int: ...
@@ -46,18 +47,6 @@ class PlacementLike(Protocol):
 
     @property
     def offset(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class Placement:
-    """A plain ``KVCacheTensor``: layer ``l`` of ``layers`` has block ``b``'s page at
-    ``offset + l*layer_stride + b*block_stride`` of one backing allocation of ``size`` bytes."""
-
-    size: int
-    layers: tuple[str, ...]
-    layer_stride: int
-    block_stride: int
-    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,7 +91,7 @@ class TransferLayout:
 
 
 def build_transfer_layout(
-    placements: Sequence[PlacementLike],
+    placements: Sequence[KVCacheTensorLike],
     groups: Sequence[Sequence[tuple[str, int]]],
     *,
     num_blocks: int,
@@ -116,15 +105,12 @@ def build_transfer_layout(
     naming the layer and the numbers when a layer is unknown, pages overlap, a page leaves the allocation
     or the group does not fit in ``worker_kv_bytes_per_block``.
     """
-    if num_blocks < 0:
-        raise ConfigError(f"num_blocks={num_blocks} must be >= 0")
-    if worker_kv_bytes_per_block < 0:
-        raise ConfigError(f"worker_kv_bytes_per_block={worker_kv_bytes_per_block} must be >= 0")
+    check_int("num_blocks", num_blocks, value_first=True)
+    check_int("worker_kv_bytes_per_block", worker_kv_bytes_per_block, value_first=True)
     where: dict[str, tuple[int, int, int, int]] = {}  # name -> (engine offset, block stride, size, tensor)
     for t, p in enumerate(placements):
         for field in ("size", "layer_stride", "block_stride", "offset"):
-            if getattr(p, field) < 0:
-                raise ConfigError(f"kv_cache_tensors[{t}].{field}={getattr(p, field)} must be >= 0")
+            check_int(f"kv_cache_tensors[{t}].{field}", getattr(p, field), value_first=True)
         for index, name in enumerate(p.layers):
             if name in where:
                 first = where[name][3]

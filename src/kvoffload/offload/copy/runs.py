@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvoffload._ints import cdiv, check_int
 from kvoffload.errors import ConfigError
 from kvoffload.offload.copy.placement import TransferLayout
 from kvoffload.offload.integrity import BlockSlots, IntegrityTable
@@ -89,8 +90,7 @@ def build_copy_runs(
     consumed exactly or an id is out of range.
     """
     bpc = blocks_per_chunk
-    if bpc < 1:
-        raise ConfigError(f"blocks_per_chunk={bpc} must be >= 1")
+    check_int("blocks_per_chunk", bpc, 1, value_first=True)
     num_groups = len(layout.groups)
     if len(group_sizes) != num_groups or len(block_indices) != num_groups:
         raise ConfigError(
@@ -102,7 +102,7 @@ def build_copy_runs(
         if n < 0 or b < 0:
             raise ConfigError(f"group {g}: group_sizes={n} and block_indices={b} must be >= 0")
         if n:
-            needed_chunks += -(-(n + b % bpc) // bpc)
+            needed_chunks += cdiv(n + b % bpc, bpc)
     blocks = _as_ids(block_ids, "block_ids")
     chunks = _as_ids(chunk_ids, "chunk_ids")
     needed_blocks = sum(group_sizes)
@@ -126,7 +126,7 @@ def build_copy_runs(
             continue
         group = layout.groups[g]
         skip = b % bpc
-        count = -(-(n + skip) // bpc)
+        count = cdiv(n + skip, bpc)
         engine_blocks = blocks[block_pos : block_pos + n]
         group_chunks = chunks[chunk_pos : chunk_pos + count]
         block_pos += n
@@ -192,7 +192,7 @@ def build_block_slots(
         if n == 0:
             continue
         skip = b % bpc
-        count = -(-(n + skip) // bpc)
+        count = cdiv(n + skip, bpc)
         positions = torch.arange(chunk_pos, chunk_pos + count, dtype=torch.int64)
         chunk_pos += count
         chunk_of_block, sub_block = _block_positions(chunks[positions], skip, n, bpc)

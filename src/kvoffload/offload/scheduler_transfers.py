@@ -1,0 +1,202 @@
+"""The offload scheduler's transfer planning: a load job once a hit's blocks are allocated, store jobs for
+newly complete chunks, and the StepPlan that carries both to the workers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .._generated import (
+    StepPlan,
+    TransferJob,
+)
+from ..errors import ConfigError, InvalidStateError
+from ..packed import pack_int32, pack_int64
+from .integrity import key_tags
+from .keys import OffloadKey
+from .scheduler_state import RequestState, SchedulerState
+
+__all__ = ["SchedulerTransfers"]
+
+
+class SchedulerTransfers(SchedulerState):
+    """The transfer-planning part of the offload scheduler: load jobs on allocation, store jobs per step."""
+
+    def on_blocks_allocated(
+        self, req_id: str, new_block_ids: Sequence[Sequence[int]], *, num_external_tokens: int = 0
+    ) -> None:
+        """Record engine blocks newly allocated to a request, one list per offloaded group (config order).
+
+        With ``num_external_tokens`` > 0 (at most what ``lookup`` returned, chunk-aligned) a load job is
+        queued for the next step plan; blocks that an in-flight store still reads are flushed first.
+        """
+        req = self._request(req_id)
+        if len(new_block_ids) != len(self._groups):
+            raise ConfigError(
+                f"new_block_ids has {len(new_block_ids)} lists but the config offloads {len(self._groups)} groups"
+            )
+        for g, ids in zip(self._groups, new_block_ids, strict=True):
+            for block in ids:
+                job_id = self._fenced.get(block)
+                if job_id is not None:
+                    self._flush.add(job_id)
+            req.block_ids[g.index].extend(ids)
+        if num_external_tokens:
+            self._queue_load(req, num_external_tokens)
+        else:
+            self._release_pins(req)
+
+    def _queue_load(self, req: RequestState, num_external_tokens: int) -> None:
+        start = req.hit_start
+        end = start + num_external_tokens
+        if not req.pinned or end > req.hit_end or num_external_tokens < 0:
+            raise InvalidStateError(
+                f"request {req.req_id!r}: num_external_tokens={num_external_tokens} exceeds the last lookup "
+                f"hit ({req.hit_end - req.hit_start} tokens)"
+            )
+        group_sizes: list[int] = []
+        block_indices: list[int] = []
+        blocks: list[int] = []
+        keys: list[OffloadKey] = []
+        for g in self._groups:
+            if end % g.tokens_per_chunk and end != req.hit_end:
+                raise InvalidStateError(
+                    f"request {req.req_id!r}: num_external_tokens={num_external_tokens} is not chunk-aligned "
+                    f"({g.tokens_per_chunk} tokens per chunk in group {g.group_id})"
+                )
+            first, last = self._load_range(g, start, end)
+            ids = req.block_ids[g.index]
+            if last > len(ids):
+                raise InvalidStateError(
+                    f"request {req.req_id!r}: group {g.group_id} has {len(ids)} blocks allocated, the load needs {last}"
+                )
+            group_sizes.append(max(0, last - first))
+            block_indices.append(first)
+            blocks.extend(ids[first:last])
+            group_keys = self._chunk_keys_of_blocks(req, g, first, last)
+            keys.extend(group_keys)
+            bpc = self.config.cache.blocks_per_chunk
+            for chunk, key in enumerate(group_keys, start=first // bpc):
+                req.accessed[key] = ((chunk + 1) * g.tokens_per_chunk, g.group_id)
+        used = set(keys)
+        unused = [k for k in req.pinned if k not in used]
+        if unused:
+            self.manager.complete_load(unused)
+        req.pinned = []
+        chunk_ids = [self.manager.chunk_id(k) for k in keys]
+        job = self._new_job(req, is_store=False, keys=keys, num_tokens=num_external_tokens, blocks=())
+        job.chunk_keys = {c: k for c, k in zip(chunk_ids, keys, strict=True) if c is not None}
+        for key in keys:
+            self._loading[key] = self._loading.get(key, 0) + 1
+        req.reused_keys.update(keys)
+        self._pending_loads.append(
+            TransferJob(
+                job_id=job.job_id,
+                req_id=req.req_id,
+                group_sizes=pack_int32(group_sizes),
+                block_indices=pack_int32(block_indices),
+                block_ids=pack_int64(blocks),
+                chunk_ids=pack_int64([c if c is not None else -1 for c in chunk_ids]),
+                chunk_tags=pack_int64(key_tags(keys)),
+            )
+        )
+        # Loaded chunks are already on the host: do not store them again (vLLM's CHUNK_LEVEL policy).
+        for g in self._groups:
+            req.next_stored[g.index] = max(req.next_stored[g.index], end // g.tokens_per_chunk)
+
+    # ------------------------------------------------------------------------------------------ step plan
+
+    def build_step_plan(self) -> StepPlan:
+        """The StepPlan for this step: queued loads, stores of newly complete chunks, and flushes."""
+        store_jobs = [job for req in list(self._requests.values()) if (job := self._plan_store(req))]
+        plan = StepPlan(
+            step=self._step,
+            load_jobs=tuple(self._pending_loads),
+            store_jobs=tuple(store_jobs),
+            flush=pack_int64(sorted(self._flush)),
+        )
+        self._step += 1
+        self._pending_loads = []
+        self._flush = set()
+        return plan
+
+    def _offloadable_tokens(self, req: RequestState) -> int:
+        tokens = min(req.num_computed, req.num_tokens)
+        if req.max_offload_tokens is not None:
+            tokens = min(tokens, req.max_offload_tokens)
+        if self.offload_prompt_only:
+            tokens = min(tokens, req.prompt_len)
+        return tokens
+
+    def _plan_store(self, req: RequestState) -> TransferJob | None:
+        if req.finished:
+            return None
+        bpc = self.config.cache.blocks_per_chunk
+        tokens = self._offloadable_tokens(req)
+        null = self.null_block_id
+        ranges: list[tuple[int, int]] = []
+        offered: list[OffloadKey] = []
+        positions: dict[OffloadKey, tuple[int, int]] = {}
+        for g in self._groups:
+            ids = req.block_ids[g.index]
+            end = min(tokens // g.tokens_per_chunk, len(ids) // bpc, len(req.keys[g.index]))
+            start = req.next_stored[g.index]
+            ranges.append((start, end))
+            for chunk in range(start, end):
+                if null is None or null not in ids[chunk * bpc : (chunk + 1) * bpc]:
+                    key = req.keys[g.index][chunk]
+                    offered.append(key)
+                    positions[key] = ((chunk + 1) * g.tokens_per_chunk, g.group_id)
+        if not offered:
+            for g, (start, end) in zip(self._groups, ranges, strict=True):
+                req.next_stored[g.index] = max(start, end)
+            return None
+        # As vLLM's manager, the request's accesses are the offered keys already stored (reused) and the
+        # keys it stores; the order the policy sees at finish comes from their positions.
+        ready = [key for key in offered if self.manager.is_ready(key)]
+        req.reused_keys.update(ready)
+        for key in ready:
+            req.accessed[key] = positions[key]
+        plan = self.manager.prepare_store(offered, request_id=req.req_id)
+        if plan is None:
+            self._counters["allocation_failures"] += 1
+            return None  # no progress: retried next step, as vLLM does
+        for g, (start, end) in zip(self._groups, ranges, strict=True):
+            req.next_stored[g.index] = max(start, end)
+        accepted = set(plan.keys_to_store)
+        for key in plan.keys_to_store:
+            req.accessed[key] = positions[key]
+        if not accepted:
+            return None
+        group_sizes: list[int] = []
+        block_indices: list[int] = []
+        blocks: list[int] = []
+        keys: list[OffloadKey] = []
+        num_tokens = 0
+        for g, (start, end) in zip(self._groups, ranges, strict=True):
+            first_block: int | None = None
+            size = 0
+            for chunk in range(start, end):
+                key = req.keys[g.index][chunk]
+                if key not in accepted:
+                    continue
+                if first_block is None:
+                    first_block = chunk * bpc
+                blocks.extend(req.block_ids[g.index][chunk * bpc : (chunk + 1) * bpc])
+                keys.append(key)
+                size += bpc
+            group_sizes.append(size)
+            block_indices.append(first_block or 0)
+            num_tokens = max(num_tokens, size // bpc * g.tokens_per_chunk)
+        chunk_of = dict(zip(plan.keys_to_store, plan.chunk_ids, strict=True))
+        job = self._new_job(req, is_store=True, keys=keys, num_tokens=num_tokens, blocks=tuple(blocks))
+        for block in blocks:
+            self._fenced[block] = job.job_id
+        return TransferJob(
+            job_id=job.job_id,
+            req_id=req.req_id,
+            group_sizes=pack_int32(group_sizes),
+            block_indices=pack_int32(block_indices),
+            block_ids=pack_int64(blocks),
+            chunk_ids=pack_int64([chunk_of[k] for k in keys]),
+            chunk_tags=pack_int64(key_tags(keys)),
+        )
