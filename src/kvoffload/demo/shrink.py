@@ -87,7 +87,7 @@ def shrink_snapshot(
         least = world * (least_blocks * kv_per_block + least_chunks * plan.slot_bytes)
         raise HostMemoryError(
             f"cannot shrink the snapshot to fit: even num_blocks={least_blocks} (one conversation of {tokens} "
-            f"tokens) and {least_chunks} host chunks need {format_bytes(least)} for {world} workers, over the "
+            f"tokens) and {least_chunks} host chunks need {format_bytes(least)} across world_size={world}, over the "
             f"budget of {format_bytes(max_bytes)} (use a smaller workload: --requests, --conversations)"
         )
     shrunk = _resize(snapshot, blocks, chunks * plan.row_bytes if chunks < plan.num_chunks else None)
