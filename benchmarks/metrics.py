@@ -1,7 +1,7 @@
 """What metrics cost: the demo's step loop with metrics on vs off, side by side, plus per-call costs.
 
-The demo's own step loop (``kvoffload.demo._Demo.step``: admission, lookups with miss explanations, step plans,
-reports, the simulated forward pass that fills and verifies KV) runs against one in-process worker (an
+The demo's own step loop (``kvoffload.demo.engine.DemoEngine.step``: admission, lookups with miss explanations,
+step plans, reports, the simulated forward pass that fills and verifies KV) runs against one in-process worker (an
 ``OffloadWorker`` over a real ``CopyEngine`` and host pool) instead of spawned processes, so the comparison
 is not drowned in inter-process noise. "On" means what ``kvoffload demo --metrics-port`` does per step:
 ``SchedulerMetrics.observe`` after every step and ``WorkerMetrics.record`` of every worker report. By default
@@ -46,7 +46,9 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 
 from kvoffload import WorkerReport  # noqa: E402
 from kvoffload._generated import StepPlan  # noqa: E402
-from kvoffload.demo import DemoOptions, _Demo, default_snapshot  # noqa: E402
+from kvoffload.demo import DemoOptions, default_snapshot  # noqa: E402
+from kvoffload.demo.engine import DemoEngine  # noqa: E402
+from kvoffload.demo.sim_engine import fill_blocks, verify_blocks  # noqa: E402
 from kvoffload.metrics import SchedulerMetrics, WorkerMetrics  # noqa: E402
 from kvoffload.offload.copy import CopyEngine, TransferLayout, transfer_layout_from_config  # noqa: E402
 from kvoffload.offload.host_pool import HostPool  # noqa: E402
@@ -55,7 +57,6 @@ from kvoffload.offload.scheduler import OffloadScheduler  # noqa: E402
 from kvoffload.offload.worker import OffloadWorker  # noqa: E402
 from kvoffload.packed import Int64Array  # noqa: E402
 from kvoffload.runtime.cluster import ClusterStep  # noqa: E402
-from kvoffload.runtime.sim_engine import fill_blocks, verify_blocks  # noqa: E402
 
 _NO_VERIFY = memoryview(Int64Array([0, 0]).tobytes())
 
@@ -105,7 +106,7 @@ def run(metrics_on: bool) -> tuple[float, float, int, float]:
     options = DemoOptions(requests=ARGS.requests, conversations=8)
     sched_metrics = SchedulerMetrics(CollectorRegistry()) if metrics_on else None
     worker_metrics = WorkerMetrics(CollectorRegistry(), max_samples=0) if metrics_on else None
-    demo = _Demo(snapshot, options, sched_metrics)
+    demo = DemoEngine(snapshot, options, sched_metrics)
     observe_seconds = 0.0
     if sched_metrics is not None:
         observe = sched_metrics.observe

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,19 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(tmp_path: Path) -> No
     assert err == "error: interrupted\n"
     assert all(_gone(pid) for pid in workers)
     assert not list(Path("/dev/shm").glob(f"kvoffload_*.pid{proc.pid}.mmap"))
+
+
+@pytest.mark.slow
+def test_shrink_runs_a_real_size_example_and_says_what_it_changed(capsys: pytest.CaptureFixture[str]) -> None:
+    snapshot = str(ROOT / "examples" / "mamba-hybrid.json")
+    assert main(["demo", "--snapshot", snapshot, "--no-progress"]) == 1
+    assert "kvoffload demo --shrink" in capsys.readouterr().err
+    status = main(
+        ["demo", "--snapshot", snapshot, "--shrink", "--requests", "3", "--conversations", "2", "--no-progress"]
+    )
+    out = capsys.readouterr().out
+    assert status == 0, out
+    first = out.splitlines()[0]
+    assert first.startswith(f"shrunk {snapshot} to fit this machine: num_blocks 16000 -> "), first
+    assert "cpu pool 32 GiB -> " in first and "world_size 1, groups and layout kept" in first
+    assert re.search(r"mismatched blocks\s*│\s*0\s*│", out) and "ok:" in out

@@ -7,9 +7,10 @@ Subcommands (one ``_add_<name>`` parser builder and one ``_run_<name>`` handler 
   with vLLM 0.33's field names (pretty JSON by default).
 * ``kvoffload schema [--json-schema | --version]`` prints the JSON Schema of an engine snapshot, or the schema
   version and fingerprint.
-* ``kvoffload demo [--workers N] [--requests N] [--cpu-bytes SIZE] [--policy lru|arc] [--snapshot FILE]
+* ``kvoffload demo [--workers N] [--requests N] [--cpu-bytes SIZE] [--policy lru|arc] [--snapshot FILE [--shrink]]
   [--worker-timeout SECONDS]`` runs the verified multi-process offloading demo (the main job); it exits 1 when
-  any reloaded block mismatches or a worker dies (with the worker's own error).
+  any reloaded block mismatches or a worker dies (with the worker's own error). ``--shrink`` reduces a
+  real-size snapshot's engine blocks and host pool to fit this machine and prints what it changed.
   ``--metrics-port N`` serves Prometheus ``/metrics`` while it runs, ``--explain-misses`` prints why lookups
   missed, ``--kv-events tcp://HOST:PORT`` publishes the pool's KV events.
 
@@ -137,6 +138,12 @@ def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--cpu-bytes", type=parse_size, default=None, help="host budget across all workers (default 128MiB)")
     p.add_argument("--policy", choices=("lru", "arc"), default=None, help="host eviction policy (default lru)")
     p.add_argument("--snapshot", default=None, help="engine snapshot JSON/TOML instead of the embedded Llama-style one")
+    p.add_argument(
+        "--shrink",
+        action="store_true",
+        help="reduce a real-size --snapshot to fit this machine (fewer engine blocks, smaller host pool; ranks, "
+        "groups and layout kept) and print what changed",
+    )
     p.add_argument("--shared-pool", action="store_true", help="map one shared-memory host pool for all ranks")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     p.add_argument(
@@ -181,7 +188,6 @@ def _run_demo(args: argparse.Namespace) -> int:
         world = snapshot.engine_config.parallel_config.world_size
         if args.workers is not None and args.workers != world:
             raise ConfigError(f"--workers={args.workers} differs from the snapshot's world_size={world}")
-    snapshot = snapshot_with_overrides(snapshot, cpu_bytes=args.cpu_bytes, policy=args.policy)
     tiering = None
     if args.tier:
         from ._generated import TieringConfig
@@ -199,6 +205,13 @@ def _run_demo(args: argparse.Namespace) -> int:
         if not 0 < args.worker_timeout < 1e9:
             raise ConfigError(f"--worker-timeout={args.worker_timeout} must be a number of seconds > 0")
         options = dataclasses.replace(options, worker_timeout_s=args.worker_timeout)
+    if args.shrink:
+        from .demo import shrink_snapshot
+
+        shrunk = shrink_snapshot(snapshot, options)
+        print(f"shrunk {args.snapshot or 'the demo snapshot'} to fit this machine: {shrunk.describe()}", flush=True)
+        snapshot = shrunk.snapshot
+    snapshot = snapshot_with_overrides(snapshot, cpu_bytes=args.cpu_bytes, policy=args.policy)
     with contextlib.ExitStack() as stack:
         kwargs = _demo_observability(args, stack)
         result = run_demo(snapshot, options, progress=not args.no_progress, **kwargs)

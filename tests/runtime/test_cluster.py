@@ -24,6 +24,7 @@ from kvoffload import (
     WorkerError,
 )
 from kvoffload.demo import DemoOptions, default_snapshot, run_demo, snapshot_with_overrides
+from kvoffload.demo.worker_hook import HOOK
 from kvoffload.offload.host_pool import HostPool
 from kvoffload.offload.manager import HostBlockManager
 from kvoffload.offload.manager_results import LookupResult
@@ -63,7 +64,7 @@ def small_snapshot(workers: int = 2):  # type: ignore[no-untyped-def]
 
 
 def test_store_load_round_trip_is_verified_and_corruption_is_caught() -> None:
-    with WorkerCluster(small_snapshot(), simulate=True, step_timeout_s=60) as cluster:
+    with WorkerCluster(small_snapshot(), hook=HOOK, step_timeout_s=60) as cluster:
         r = cluster.step(plan(0), attachments(fill=[0, 3, 42]))  # forward pass writes block 3
         assert [rep.results for rep in r.reports] == [(), ()]
         cluster.step(plan(1, stores=[transfer_job(0, [3], [5])]), attachments())  # store queued (deferred one step)
@@ -93,7 +94,7 @@ def test_killed_worker_fails_its_jobs_and_the_scheduler_carries_on(tmp_path: Pat
     config = translate_snapshot(snapshot)
     manager = HostBlockManager(16)
     sched = OffloadScheduler(config, manager)
-    cluster = WorkerCluster(snapshot, simulate=True, step_timeout_s=30, shared_pool=True)
+    cluster = WorkerCluster(snapshot, hook=HOOK, step_timeout_s=30, shared_pool=True)
     # A segment whose owner died without removing it (SIGKILL) is swept when a cluster starts.
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     stale = Path("/dev/shm") / f"kvoffload_{owned_pool_id('stale-test', int(dead.stdout))}.mmap"
@@ -133,7 +134,7 @@ def test_killed_worker_fails_its_jobs_and_the_scheduler_carries_on(tmp_path: Pat
 
 
 def test_corrupted_frame_ends_only_that_worker() -> None:
-    with WorkerCluster(small_snapshot(), simulate=True, step_timeout_s=30) as cluster:
+    with WorkerCluster(small_snapshot(), hook=HOOK, step_timeout_s=30) as cluster:
         cluster.send_raw(0, [b"\x00garbage that is not an envelope"])
         r = cluster.step(plan(0), attachments())
         assert r.newly_dead == (0,)
@@ -191,7 +192,7 @@ def test_worker_failure_reaches_the_scheduler_with_its_cause() -> None:
     tensor = kv.kv_cache_tensors[0]
     small = msgspec.structs.replace(tensor, size=tensor.size // 2)
     broken = msgspec.structs.replace(snapshot, kv_cache_config=msgspec.structs.replace(kv, kv_cache_tensors=(small,)))
-    cluster = WorkerCluster(broken, simulate=True, start_timeout_s=60)
+    cluster = WorkerCluster(broken, hook=HOOK, start_timeout_s=60)
     with pytest.raises(WorkerError, match=r"worker 0 failed at step 0: ConfigError: .*kv_cache_tensors\[0\]\.size="):
         cluster.start()
     assert not mp.active_children()
@@ -199,7 +200,7 @@ def test_worker_failure_reaches_the_scheduler_with_its_cause() -> None:
 
 def test_stopped_worker_is_given_up_by_heartbeat_and_a_failing_one_names_its_cause() -> None:
     """A SIGSTOPped worker sends no heartbeat: it is marked dead by worker_timeout_s, not the step timeout."""
-    with WorkerCluster(small_snapshot(), simulate=True, step_timeout_s=600, worker_timeout_s=1.0) as cluster:
+    with WorkerCluster(small_snapshot(), hook=HOOK, step_timeout_s=600, worker_timeout_s=1.0) as cluster:
         cluster.step(plan(0), attachments())
         os.kill(cluster.pids[1], signal.SIGSTOP)
         r = cluster.step(plan(1), attachments())
@@ -219,7 +220,7 @@ def test_stopped_worker_is_given_up_by_heartbeat_and_a_failing_one_names_its_cau
 def test_combined_host_pools_beyond_available_memory_are_refused_before_spawning() -> None:
     # Each rank's pool alone fits in available memory (3/4 of it); both together do not.
     budget = int(available_host_memory_bytes() * 1.5)
-    cluster = WorkerCluster(default_snapshot(workers=2, num_blocks=32, cpu_bytes=budget), simulate=True)
+    cluster = WorkerCluster(default_snapshot(workers=2, num_blocks=32, cpu_bytes=budget), hook=HOOK)
     with pytest.raises(HostMemoryError, match=r"host pools need \d+ bytes \(2 ranks x \d+ bytes\) but only \d+"):
         cluster.start()
     assert not mp.active_children()
@@ -230,7 +231,7 @@ def test_combined_host_pools_beyond_available_memory_are_refused_before_spawning
 def test_unrunnable_rank_config_is_refused_before_spawning() -> None:
     snapshot = snapshot_with_overrides(small_snapshot(), cpu_bytes=None, policy="mru")
     with pytest.raises(ConfigError, match=r"eviction_policy.*'mru'"):
-        WorkerCluster(snapshot, simulate=True).start()
+        WorkerCluster(snapshot, hook=HOOK).start()
     assert not mp.active_children()
 
 

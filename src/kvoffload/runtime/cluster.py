@@ -45,6 +45,7 @@ from ..offload.pool_files import check_pools_fit, owned_pool_id, shared_pool_pat
 from ..offload.pool_plan import plan_host_pool_from_config
 from ..runnable import validate_runnable
 from .channel import Channel
+from .hooks import HookOptions, encode_hook_options, load_hook
 from .worker_process import WorkerSpec, rank_config, run_worker
 
 __all__ = ["ClusterStep", "WorkerCluster"]
@@ -91,6 +92,9 @@ class WorkerCluster:
 
     ``worker_timeout_s`` is the liveness deadline (workers send a heartbeat every fifth of it; a stopped process
     sends none); ``step_timeout_s`` bounds one step of a live worker; ``start_timeout_s`` its startup.
+    ``hook`` is the dotted path of a :class:`~kvoffload.runtime.hooks.WorkerHook` factory every worker imports
+    and calls around each step, with the JSON-safe ``hook_options`` (ConfigError here when it cannot be
+    imported or the options are not JSON).
     """
 
     def __init__(
@@ -99,15 +103,15 @@ class WorkerCluster:
         *,
         workers: int | None = None,
         shared_pool: bool = False,
-        simulate: bool = False,
         step_timeout_s: float = 120.0,
         start_timeout_s: float = 120.0,
         worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S,
-        memcpy_probe_bytes: int = 0,
         torch_threads: int | None = None,
         checksums: bool = True,
         tiering: TieringConfig | None = None,
         metrics_dir: str | None = None,
+        hook: str | None = None,
+        hook_options: HookOptions | None = None,
     ) -> None:
         for name, value in (
             ("step_timeout_s", step_timeout_s),
@@ -120,6 +124,9 @@ class WorkerCluster:
         self.world_size = world if workers is None else workers
         if self.world_size != world:
             raise ConfigError(f"workers={workers} differs from parallel_config.world_size={world} of the snapshot")
+        if hook is not None:
+            load_hook(hook)  # a typo fails here, naming the path, before any process starts
+        hook_options_json = encode_hook_options(hook_options)
         self.engine_id = wire.engine_id_of(snapshot)
         self.snapshot = snapshot
         self.step_timeout_s = float(step_timeout_s)
@@ -139,15 +146,15 @@ class WorkerCluster:
                 world_size=self.world_size,
                 snapshot_json=snapshot_json,
                 shared_pool_id=pool_id,
-                simulate=simulate,
                 handshake_timeout_s=start_timeout_s,
                 load_timeout_s=step_timeout_s,
-                memcpy_probe_bytes=memcpy_probe_bytes,
                 torch_threads=threads,
                 heartbeat_interval_s=min(2.0, max(0.01, self.worker_timeout_s / 5)),
                 checksums=checksums,
                 tiering_json=None if tiering is None else msgspec.json.encode(tiering).decode(),
                 metrics_dir=metrics_dir,
+                hook=hook,
+                hook_options_json=hook_options_json,
             )
             for rank in range(self.world_size)
         ]

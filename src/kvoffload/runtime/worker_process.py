@@ -2,9 +2,10 @@
 
 A worker builds everything from the engine snapshot it is given: its rank's OffloadingConfig (the
 translator with ``parallel_config.rank`` set), its KV memory (one flat allocation as the snapshot's
-``kv_cache_tensors`` describe), its host pool and copy engine. With ``simulate=True`` it also plays the
-engine's forward pass for the demo: each StepPlan carries two attachments, the blocks to fill with
-deterministic KV and the loaded blocks to verify byte for byte.
+``kv_cache_tensors`` describe), its host pool and copy engine. An application that plays the engine inside
+the worker (the demo's simulated forward pass) names a :class:`~kvoffload.runtime.hooks.WorkerHook` factory in
+``WorkerSpec.hook`` (a dotted path, with JSON ``hook_options_json``); the worker imports it and calls it
+around every step and at the end (see :mod:`kvoffload.runtime.hooks`).
 
 A worker never crashes on bad input: a malformed message from the scheduler, or any other error, ends the
 session with exit status 3 after a last ``WorkerFailure`` message naming the exception, so the scheduler
@@ -19,10 +20,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import struct
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -51,10 +50,9 @@ from ..offload.copy import CopyEngine, TransferLayout, transfer_layout_from_conf
 from ..offload.host_pool import HostPool
 from ..offload.pool_plan import plan_host_pool_from_config
 from ..offload.worker import OffloadWorker
-from ..packed import Int64Array
 from ..translate import translate_snapshot
 from .channel import Channel
-from .sim_engine import fill_blocks, verify_blocks
+from .hooks import WorkerContext, WorkerHook, decode_hook_options, make_hook
 
 if TYPE_CHECKING:
     from ..metrics import WorkerMetrics
@@ -62,7 +60,6 @@ if TYPE_CHECKING:
 __all__ = ["WorkerSpec", "rank_config", "run_worker"]
 
 EXIT_BAD_MESSAGE = 3
-_F64 = struct.Struct("<d")
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -72,16 +69,18 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     world_size: int
     snapshot_json: str
     shared_pool_id: str | None = None
-    simulate: bool = False
     handshake_timeout_s: float = 60.0
     load_timeout_s: float = 120.0
-    memcpy_probe_bytes: int = 0
     torch_threads: int = 1
     heartbeat_interval_s: float = 1.0
     checksums: bool = True
     """Content checksums of host chunks (integrity); key tags are verified either way."""
     tiering_json: str | None = None  # a TieringConfig (JSON, urls resolved): this worker runs tier jobs
     metrics_dir: str | None = None
+    hook: str | None = None
+    """Dotted path of a WorkerHook factory the worker imports and calls around every step (None: no hook)."""
+    hook_options_json: str | None = None
+    """The hook's options, a JSON object (given to the factory in its WorkerContext)."""
 
 
 def rank_config(snapshot: EngineSnapshot, rank: int) -> tuple[EngineSnapshot, OffloadingConfig]:
@@ -105,30 +104,18 @@ class _Session:
     worker: OffloadWorker
     last_step: int = 0
     metrics: WorkerMetrics | None = None
+    hook: WorkerHook | None = None
 
     def step(self, plan: StepPlan, attachments: tuple[memoryview, ...]) -> tuple[WorkerReport, list[bytes]]:
-        fill: list[tuple[int, int, int]] = []
-        verify: list[tuple[int, int, int, int]] = []
-        if self.spec.simulate:
-            if len(attachments) != 2:
-                raise WireError(f"a simulated step needs 2 attachments (fill, verify), got {len(attachments)}")
-            flat = Int64Array.from_buffer(attachments[0]).tolist()
-            fill = [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat) - 2, 3)]
-            flat = Int64Array.from_buffer(attachments[1]).tolist()
-            verify = [(flat[i], flat[i + 1], flat[i + 2], flat[i + 3]) for i in range(0, len(flat) - 3, 4)]
+        if self.hook is not None:
+            self.hook.before_step(plan, attachments)
         self.last_step = plan.step
         self.worker.start_step(plan)
         self.worker.wait_for_loads(plan, self.spec.load_timeout_s)
         report = self.worker.report(plan.step)
         if self.metrics is not None:
             self.metrics.record(report)
-        extras: list[bytes] = []
-        if self.spec.simulate:
-            loaded = {r.job_id for r in report.results if not r.is_store and r.success}
-            checked = [(g, b, s) for job, g, b, s in verify if job in loaded]
-            bad = verify_blocks(self.kv, self.layout, self.spec.rank, checked)
-            fill_blocks(self.kv, self.layout, self.spec.rank, fill)
-            extras.append(Int64Array([len(checked), len(bad), *bad[:16]]).tobytes())
+        extras = [] if self.hook is None else list(self.hook.after_step(plan, report))
         self.worker.end_step(plan)
         return report, extras
 
@@ -136,26 +123,15 @@ class _Session:
         report = self.worker.drain(self.last_step, self.spec.load_timeout_s)
         if self.metrics is not None:
             self.metrics.record(report)
-        return report, [_F64.pack(_memcpy_gbps(self.spec.memcpy_probe_bytes))]
+        return report, [] if self.hook is None else list(self.hook.finish(report))
 
     def close(self) -> None:
-        self.worker.close()
-        self.pool.close()
-
-
-def _memcpy_gbps(nbytes: int) -> float:
-    """Bandwidth of one plain torch copy of ``nbytes`` (best of three): what our copies are compared to."""
-    if nbytes <= 0:
-        return 0.0
-    src = torch.empty(nbytes, dtype=torch.uint8)
-    src.fill_(7)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / 1e9
+        try:
+            if self.hook is not None:
+                self.hook.close()
+        finally:
+            self.worker.close()
+            self.pool.close()
 
 
 def _open_session(spec: WorkerSpec) -> _Session:
@@ -172,6 +148,17 @@ def _open_session(spec: WorkerSpec) -> _Session:
 
             tiering = msgspec.json.decode(spec.tiering_json, type=TieringConfig)
             tiers = TierWorker(tiering, config, pool, checksums=spec.checksums)
+        hook = None
+        if spec.hook is not None:
+            context = WorkerContext(
+                rank=spec.rank,
+                world_size=spec.world_size,
+                kv=kv,
+                layout=layout,
+                config=config,
+                options=decode_hook_options(spec.hook_options_json),
+            )
+            hook = make_hook(spec.hook, context)
     except BaseException:
         pool.close()
         raise
@@ -182,6 +169,7 @@ def _open_session(spec: WorkerSpec) -> _Session:
         pool=pool,
         worker=OffloadWorker(engine, rank=spec.rank, tiers=tiers),
         metrics=_worker_metrics(spec),
+        hook=hook,
     )
 
 

@@ -1,9 +1,9 @@
 """A simulated engine forward pass: KV pages whose bytes are a deterministic function of tokens and layer.
 
-The demo and the runtime tests need KV contents that can be recomputed anywhere: the page of layer ``l`` for a
-block whose prefix hashes to ``seed`` on rank ``r`` holds 64-bit words ``mix(seed, l, r) + i * STEP``. A page
-reloaded from the host pool is compared word for word with the recomputed one, so a byte copied to the
-wrong place, from the wrong chunk or not at all is caught.
+The demo's worker hook and the tests need KV contents that can be recomputed anywhere: the page of layer
+``l`` for a block whose prefix hashes to ``seed`` on rank ``r`` holds 64-bit words ``mix(seed, l, r) + i *
+STEP``. A page reloaded from the host pool is compared word for word with the recomputed one, so a byte
+copied to the wrong place, from the wrong chunk or not at all is caught.
 """
 
 from __future__ import annotations

@@ -1,0 +1,214 @@
+"""The demo's simulated engine on the scheduler side: admission, step plans, decoding, and what it measured.
+
+:class:`DemoEngine` plays vLLM's scheduler around the offload scheduler: it admits requests while its small
+block pool lasts (asking the offload scheduler how many prompt tokens the host pool holds), sends each step's
+plan to the workers with the blocks to fill (computed this step) and to verify (loaded this step), and decodes
+a few tokens per request. The workers' hook (:mod:`kvoffload.demo.worker_hook`) does the filling and checking.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from typing import TYPE_CHECKING
+
+from .._generated import EngineSnapshot, OffloadingConfig, StepPlan
+from ..errors import ConfigError
+from ..offload.keys import hash_token_blocks
+from ..offload.manager import HostBlockManager
+from ..offload.pool_plan import plan_host_pool_from_config
+from ..offload.scheduler import OffloadScheduler
+from ..packed import Int32Array, Int64Array
+from ..runtime.cluster import WorkerCluster
+from ..tiers.cascade import TieredScheduler
+from ..translate import translate_snapshot
+from .report import DemoResult
+from .sim_engine import block_seed
+from .worker_hook import step_attachments, step_stats
+from .workload import BlockPool, DemoOptions, Request, Workload
+
+if TYPE_CHECKING:
+    from ..events import KVEventPublisher
+    from ..metrics import SchedulerMetrics
+
+__all__ = ["DemoEngine"]
+
+
+class DemoEngine:
+    """The scheduler side of the simulated engine (module docstring); ``step`` runs one engine step."""
+
+    def __init__(
+        self,
+        snapshot: EngineSnapshot,
+        options: DemoOptions,
+        metrics: SchedulerMetrics | None = None,
+        events: KVEventPublisher | None = None,
+    ) -> None:
+        self.options = options
+        self.metrics = metrics
+        self.events = events
+        self.config: OffloadingConfig = translate_snapshot(snapshot)
+        policy = self.config.extra_config.get("eviction_policy", "lru")
+        self.num_chunks = plan_host_pool_from_config(self.config).num_chunks
+        self.manager = HostBlockManager(self.num_chunks, str(policy), enable_events=events is not None)
+        self.sched: OffloadScheduler
+        if options.tiering is not None:
+            self.sched = TieredScheduler(self.config, self.manager, options.tiering)
+        else:
+            self.sched = OffloadScheduler(self.config, self.manager)
+        self.groups = self.config.groups
+        self.tph = self.config.cache.tokens_per_hash
+        self.num_blocks = snapshot.kv_cache_config.num_blocks
+        self.pool = BlockPool(self.num_blocks)
+        self.workload = Workload(options, self.tph)
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}
+        self.result = DemoResult(host_chunks=self.num_chunks)
+        self.any_dead = False
+        self.registered: set[str] = set()
+        self.refill: list[tuple[Request, int, int]] = []
+
+    def seed_of(self, req: Request, group: int, block: int) -> int:
+        per_block = self.groups[group].tokens_per_block // self.tph
+        return block_seed(req.hashes[(block + 1) * per_block - 1])
+
+    def admit(self) -> list[tuple[Request, int, int]]:
+        """Admit waiting requests while blocks last; returns the (request, first, last) tokens to compute."""
+        while (req := self.workload.next_request()) is not None:
+            self.waiting.append(req)
+        computes: list[tuple[Request, int, int]] = []
+        while self.waiting and len(self.running) < self.options.max_running:
+            req = self.waiting[0]
+            if req.req_id not in self.registered:
+                self.sched.add_request(req.req_id, req.hashes, req.prompt_len)
+                self.registered.add(req.req_id)
+            hit = self.sched.lookup(req.req_id, 0)
+            if hit is None:
+                self.result.deferred_lookups += 1
+                break
+            total = req.prompt_len + req.decode_left
+            need = [-(-total // g.tokens_per_block) for g in self.groups]
+            if sum(need) > self.num_blocks:
+                raise ConfigError(
+                    f"request {req.req_id} needs {sum(need)} engine blocks ({total} tokens) but the engine block "
+                    f"pool has num_blocks={self.num_blocks}: it can never run (use fewer --requests per "
+                    "conversation, more --conversations, or a snapshot with more num_blocks)"
+                )
+            blocks = self.pool.allocate(sum(need))
+            if blocks is None:
+                self.sched.on_blocks_allocated(req.req_id, [[] for _ in self.groups])  # release the pins
+                break
+            self.waiting.popleft()
+            split, at = [], 0
+            for n in need:
+                split.append(blocks[at : at + n])
+                at += n
+            req.blocks = split
+            req.loaded = hit
+            self.sched.on_blocks_allocated(req.req_id, split, num_external_tokens=hit)
+            self.running[req.req_id] = req
+            self.result.requests += 1
+            self.result.requests_with_hit += hit > 0
+            self.result.prompt_tokens += req.prompt_len
+            self.result.tokens_loaded += hit
+            computes.append((req, hit, req.prompt_len))
+        return computes
+
+    def fill_entries(self, computes: list[tuple[Request, int, int]]) -> list[int]:
+        flat: list[int] = []
+        for req, first, last in computes:
+            for g, group in enumerate(self.groups):
+                tpb = group.tokens_per_block
+                for block in range(first // tpb, last // tpb):
+                    flat += (g, req.blocks[g][block], self.seed_of(req, g, block))
+        return flat
+
+    def verify_entries(self, plan: StepPlan) -> list[int]:
+        flat: list[int] = []
+        for job in plan.load_jobs:
+            req = self.running[job.req_id]
+            ids = Int64Array.from_buffer(job.block_ids).tolist()
+            sizes = Int32Array.from_buffer(job.group_sizes).tolist()
+            starts = Int32Array.from_buffer(job.block_indices).tolist()
+            at = 0
+            for g, (size, start) in enumerate(zip(sizes, starts, strict=True)):
+                for i in range(size):
+                    flat += (job.job_id, g, ids[at + i], self.seed_of(req, g, start + i))
+                at += size
+        return flat
+
+    def step(self, cluster: WorkerCluster) -> None:
+        computes = self.admit()
+        plan = self.sched.build_step_plan()
+        refill, self.refill = self.refill, []
+        fill = self.fill_entries(refill + computes)
+        verify = self.verify_entries(plan)
+        outcome = cluster.step(plan, step_attachments(fill, verify))
+        self.result.steps += 1
+        report = self.sched.on_worker_reports(outcome.reports)
+        for extras in outcome.attachments.values():
+            checked, bad = step_stats(extras)
+            self.result.blocks_verified += checked
+            self.result.mismatched_blocks.extend(bad)
+        if outcome.newly_dead:
+            self.result.dead_workers.extend(outcome.newly_dead)
+            self.result.worker_errors.update(outcome.errors)
+            self.any_dead = True
+        if self.any_dead:
+            if isinstance(self.sched, TieredScheduler):
+                self.sched.fail_tier_jobs()  # a dead rank never reports them: promotions are never ready
+            report_failed = self.sched.fail_jobs(self.sched.in_flight_job_ids())
+            self.result.failed_jobs += len(report_failed.failed_loads) + len(report_failed.failed_stores)
+        self.result.failed_jobs += len(report.failed_loads) + len(report.failed_stores)
+        # A failed load means the engine recomputes those tokens.
+        for req_id in report.failed_loads:
+            req = self.running.get(req_id)
+            if req is not None:
+                self.result.tokens_loaded -= req.loaded
+                self.result.tokens_recomputed += req.loaded
+                self.refill.append((req, 0, req.loaded))
+        for req, first, last in computes:
+            self.result.tokens_recomputed += last - first
+            req.num_computed = last
+            self.sched.on_tokens_computed(req.req_id, last)
+        for req in list(self.running.values()):
+            if req.num_computed < req.prompt_len or any(req is c[0] for c in computes):
+                continue
+            self._decode(req)
+        self.observe()
+
+    def observe(self, *, final: bool = False) -> None:
+        """Publish this step's KV events and bring the metrics up to date (rate-limited unless ``final``)."""
+        if self.events is not None:
+            self.events.publish(self.sched.take_events())
+        if self.metrics is not None:
+            if self.events is not None:
+                self.metrics.record_event_batches(self.events.sent, self.events.dropped)
+            self.metrics.observe(self.sched, force=final)
+
+    def _decode(self, req: Request) -> None:
+        req.tokens.append(random.Random(f"{req.req_id}:{len(req.tokens)}").randrange(1, 32000))
+        req.decode_left -= 1
+        new_hashes = hash_token_blocks(
+            req.tokens[len(req.hashes) * self.tph :],
+            self.tph,
+            parent=req.hashes[-1] if req.hashes else None,
+        )
+        req.hashes.extend(new_hashes)
+        self.sched.extend_request(req.req_id, new_hashes, len(req.tokens))
+        self.sched.on_tokens_computed(req.req_id, len(req.tokens))
+        if req.decode_left == 0:
+            self.sched.finish_request(req.req_id)
+            del self.running[req.req_id]
+            self.pool.release([b for blocks in req.blocks for b in blocks])
+            self.workload.finished(req)
+
+    @property
+    def done(self) -> bool:
+        return (
+            self.workload.issued >= self.options.requests
+            and not self.waiting
+            and not self.running
+            and not self.refill
+            and not self.sched.has_pending_work()
+        )

@@ -1,0 +1,134 @@
+"""What the demo measured (:class:`DemoResult`) and its end-of-run tables."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..tiers.cascade import TierStatsRow
+
+__all__ = ["DemoResult", "render_misses", "render_result"]
+
+
+@dataclass
+class DemoResult:
+    """What the demo measured."""
+
+    requests: int = 0
+    requests_with_hit: int = 0
+    prompt_tokens: int = 0
+    tokens_loaded: int = 0
+    tokens_recomputed: int = 0
+    blocks_verified: int = 0
+    mismatched_blocks: list[int] = field(default_factory=list)
+    failed_jobs: int = 0
+    dead_workers: list[int] = field(default_factory=list)
+    worker_errors: dict[int, str] = field(default_factory=dict)
+    deferred_lookups: int = 0
+    steps: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    store_seconds: float = 0.0
+    load_seconds: float = 0.0
+    memcpy_gbps: float = 0.0
+    wall_seconds: float = 0.0
+    host_chunks_filled: int = 0
+    host_chunks: int = 0
+    tiers: list[TierStatsRow] = field(default_factory=list)
+    lookup_miss_reasons: dict[str, int] = field(default_factory=dict)
+    chunk_miss_reasons: dict[str, int] = field(default_factory=dict)
+    events_published: int = 0
+    events_dropped: int = 0
+
+    @property
+    def ok(self) -> bool:
+        """True when every reloaded block matched and nothing failed."""
+        return not self.mismatched_blocks and not self.failed_jobs and not self.dead_workers
+
+    @property
+    def store_gbps(self) -> float:
+        return self.bytes_stored / self.store_seconds / 1e9 if self.store_seconds else 0.0
+
+    @property
+    def load_gbps(self) -> float:
+        return self.bytes_loaded / self.load_seconds / 1e9 if self.load_seconds else 0.0
+
+
+def render_result(result: DemoResult) -> str:
+    """The end-of-run table, as text."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="kvoffload demo", show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    hit_rate = result.requests_with_hit / result.requests if result.requests else 0.0
+    rows = [
+        ("requests", f"{result.requests}"),
+        ("engine steps", f"{result.steps}"),
+        ("prefix-hit rate (requests)", f"{hit_rate:.1%}"),
+        ("prompt tokens loaded from host", f"{result.tokens_loaded}"),
+        ("prompt tokens recomputed", f"{result.tokens_recomputed}"),
+        ("host pool chunks filled at end", f"{result.host_chunks_filled} of {result.host_chunks}"),
+        ("bytes stored / loaded", f"{result.bytes_stored} / {result.bytes_loaded}"),
+        ("store GB/s", f"{result.store_gbps:.2f}"),
+        ("load GB/s", f"{result.load_gbps:.2f}"),
+        ("plain memcpy GB/s (same run)", f"{result.memcpy_gbps:.2f}"),
+        (
+            "store / load vs memcpy",
+            f"{result.store_gbps / result.memcpy_gbps:.0%} / {result.load_gbps / result.memcpy_gbps:.0%}"
+            if result.memcpy_gbps
+            else "n/a",
+        ),
+        *_tier_rows(result),
+        ("reloaded blocks verified byte for byte", f"{result.blocks_verified}"),
+        ("mismatched blocks", f"{len(result.mismatched_blocks)}"),
+        ("failed jobs / dead workers", f"{result.failed_jobs} / {len(result.dead_workers)}"),
+        ("wall time", f"{result.wall_seconds:.1f}s"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    out = StringIO()
+    Console(file=out, width=100, force_terminal=False).print(table)
+    return out.getvalue()
+
+
+def _tier_rows(result: DemoResult) -> list[tuple[str, str]]:
+    rows: list[tuple[str, str]] = []
+    for i, t in enumerate(result.tiers):
+        name = f"tier {i} ({t.name})"
+        rows.append((f"{name}: prompt tokens promoted", f"{t.tokens_promoted}"))
+        rows.append(
+            (
+                f"{name}: chunks cascaded / dropped / failed",
+                f"{t.cascaded_chunks} / {t.dropped_chunks} / {t.cascade_failures}",
+            )
+        )
+        rows.append((f"{name}: write / read GB/s", f"{t.write_gbps:.2f} / {t.read_gbps:.2f}"))
+    return rows
+
+
+def render_misses(result: DemoResult) -> str:
+    """The miss breakdown (``kvoffload demo --explain-misses``): lookups and chunks per MissReason."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from .._generated import MissReason
+
+    table = Table(title="why lookups missed", show_header=True)
+    table.add_column("reason")
+    table.add_column("lookups (nothing loaded)", justify="right")
+    table.add_column("chunks not loaded", justify="right")
+    for reason in MissReason:
+        table.add_row(
+            reason.value,
+            f"{result.lookup_miss_reasons.get(reason.value, 0)}",
+            f"{result.chunk_miss_reasons.get(reason.value, 0)}",
+        )
+    table.add_row("total", f"{sum(result.lookup_miss_reasons.values())}", f"{sum(result.chunk_miss_reasons.values())}")
+    out = StringIO()
+    Console(file=out, width=100, force_terminal=False).print(table)
+    return out.getvalue()

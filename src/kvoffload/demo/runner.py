@@ -1,0 +1,182 @@
+"""``run_demo``: the demo workload through the scheduler and one worker process per rank, verified.
+
+The workers run the demo's hook (:mod:`kvoffload.demo.worker_hook`), so the runtime itself knows nothing of
+the simulated engine. Before any process starts, the run is refused when the workers' KV memory and host pools
+would not fit in this machine's memory, or when the workload's longest conversation can never fit the engine's
+block pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING
+
+from .._generated import EngineSnapshot, OffloadingConfig
+from ..errors import DeadlineError, HostMemoryError
+from ..offload.pool_files import available_host_memory_bytes
+from ..offload.pool_plan import plan_host_pool_from_config
+from ..runtime.cluster import WorkerCluster
+from ..tiers.cascade import TieredScheduler, start_embedded_servers
+from ..tiers.valkey import EmbeddedValkey
+from ..translate import translate_snapshot
+from .engine import DemoEngine
+from .report import DemoResult
+from .worker_hook import HOOK, memcpy_gbps_of
+from .workload import DEFAULT_OPTIONS, DemoOptions, check_workload_fits
+
+if TYPE_CHECKING:
+    from ..events import KVEventPublisher
+    from ..metrics import SchedulerMetrics
+
+__all__ = ["MEMORY_SHARE", "demo_memory_bytes", "run_demo"]
+
+MEMORY_SHARE = 0.8
+"""The share of available memory the demo's workers may use together."""
+
+
+def run_demo(
+    snapshot: EngineSnapshot,
+    options: DemoOptions = DEFAULT_OPTIONS,
+    *,
+    progress: bool = True,
+    max_steps: int = 100_000,
+    metrics: SchedulerMetrics | None = None,
+    metrics_dir: str | None = None,
+    events: KVEventPublisher | None = None,
+) -> DemoResult:
+    """Run the demo workload on ``snapshot`` with one worker process per rank; returns what it measured.
+
+    Raises HostMemoryError before starting any process when the workers' KV memory and host pools would
+    not fit in this machine's available memory (real-size snapshots need a real-size machine).
+    ``metrics`` is updated after every step; workers record their transfer metrics under ``metrics_dir``
+    (prometheus_client multiprocess mode); ``events`` publishes the pool's KV events after every step.
+    """
+    _check_memory(snapshot, translate_snapshot(snapshot))
+    servers: list[EmbeddedValkey] = []
+    if options.tiering is not None:
+        tiering, embedded = start_embedded_servers(options.tiering)
+        servers.extend(embedded)
+        options = dataclasses.replace(options, tiering=tiering)
+    try:
+        return _run(snapshot, options, progress, max_steps, metrics, metrics_dir, events)
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _run(
+    snapshot: EngineSnapshot,
+    options: DemoOptions,
+    progress: bool,
+    max_steps: int,
+    metrics: SchedulerMetrics | None,
+    metrics_dir: str | None,
+    events: KVEventPublisher | None,
+) -> DemoResult:
+    demo = DemoEngine(snapshot, options, metrics, events)
+    check_workload_fits(options, demo.tph, demo.groups, demo.num_blocks)
+    try:
+        return _drive(demo, snapshot, options, progress, max_steps, metrics_dir, events)
+    finally:
+        if isinstance(demo.sched, TieredScheduler):
+            demo.sched.close()
+
+
+def _drive(
+    demo: DemoEngine,
+    snapshot: EngineSnapshot,
+    options: DemoOptions,
+    progress: bool,
+    max_steps: int,
+    metrics_dir: str | None,
+    events: KVEventPublisher | None,
+) -> DemoResult:
+    started = time.perf_counter()
+    cluster = WorkerCluster(
+        snapshot,
+        shared_pool=options.shared_pool,
+        step_timeout_s=options.step_timeout_s,
+        worker_timeout_s=options.worker_timeout_s,
+        hook=HOOK,
+        hook_options={"memcpy_probe_bytes": options.memcpy_probe_bytes},
+        tiering=options.tiering,
+        metrics_dir=metrics_dir,
+    )
+    cluster.start()
+    bar = _progress(options.requests) if progress else None
+    try:
+        while not demo.done and demo.result.steps < max_steps:
+            demo.step(cluster)
+            if bar is not None:
+                bar.update(demo.workload.issued - len(demo.waiting) - len(demo.running))
+    finally:
+        final = cluster.close()
+        if bar is not None:
+            bar.close()
+    demo.sched.on_worker_reports(final.reports)
+    if isinstance(demo.sched, TieredScheduler):
+        demo.result.tiers = list(demo.sched.tier_stats)
+    demo.observe(final=True)
+    probes = [p for extras in final.attachments.values() if (p := memcpy_gbps_of(extras)) is not None]
+    stats = demo.sched.stats()
+    result = demo.result
+    result.bytes_stored, result.bytes_loaded = stats.bytes_stored, stats.bytes_loaded
+    result.store_seconds, result.load_seconds = stats.store_seconds, stats.load_seconds
+    result.memcpy_gbps = sum(probes) / len(probes) if probes else 0.0
+    result.host_chunks_filled = len(demo.manager)
+    result.lookup_miss_reasons = {str(k): v for k, v in stats.lookup_miss_reasons.items()}
+    result.chunk_miss_reasons = {str(k): v for k, v in stats.chunk_miss_reasons.items()}
+    if events is not None:
+        result.events_published, result.events_dropped = events.sent, events.dropped
+    result.wall_seconds = time.perf_counter() - started
+    if demo.result.steps >= max_steps:
+        raise DeadlineError(f"the demo did not finish within max_steps={max_steps} steps")
+    return result
+
+
+def demo_memory_bytes(snapshot: EngineSnapshot, config: OffloadingConfig | None = None) -> tuple[int, int, int]:
+    """``(total, kv bytes per worker, host pool bytes per worker)`` the demo's worker processes allocate."""
+    config = translate_snapshot(snapshot) if config is None else config
+    plan = plan_host_pool_from_config(config)
+    kv_bytes = max((t.size for t in snapshot.kv_cache_config.kv_cache_tensors), default=0)
+    pool_bytes = plan.num_chunks * plan.slot_bytes
+    return config.parallel.world_size * (kv_bytes + pool_bytes), kv_bytes, pool_bytes
+
+
+def _check_memory(snapshot: EngineSnapshot, config: OffloadingConfig) -> None:
+    needed, kv_bytes, pool_bytes = demo_memory_bytes(snapshot, config)
+    workers = config.parallel.world_size
+    available = available_host_memory_bytes()
+    if needed > available * MEMORY_SHARE:
+        raise HostMemoryError(
+            f"the demo needs {needed / 2**30:.1f} GiB ({workers} workers x ({kv_bytes / 2**30:.2f} GiB of KV "
+            f"memory + {pool_bytes / 2**30:.2f} GiB of host pool)) but "
+            f"{available / 2**30:.1f} GiB are available: use a snapshot with fewer num_blocks or a smaller "
+            "--cpu-bytes, or let `kvoffload demo --shrink` reduce it to fit"
+        )
+
+
+class _progress:
+    """A rich progress bar over finished requests (rich is a dependency; the bar goes to stderr)."""
+
+    def __init__(self, total: int) -> None:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(
+            TextColumn("requests"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=False,
+        )
+        self._task = self._progress.add_task("demo", total=total)
+        self._progress.start()
+
+    def update(self, completed: int) -> None:
+        self._progress.update(self._task, completed=completed)
+
+    def close(self) -> None:
+        self._progress.stop()

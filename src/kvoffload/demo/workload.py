@@ -1,0 +1,141 @@
+"""The demo's workload: its options, the requests of a multi-turn chat, and the engine's block pool."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .._generated import OffloadingGroupConfig, TieringConfig
+from ..errors import ConfigError
+from ..offload.keys import BlockHash, hash_token_blocks
+from ..runtime.cluster import DEFAULT_WORKER_TIMEOUT_S
+from .snapshots import MiB
+
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "BlockPool",
+    "DemoOptions",
+    "Request",
+    "Workload",
+    "check_workload_fits",
+    "longest_conversation_tokens",
+]
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """Knobs of the demo workload."""
+
+    requests: int = 48
+    conversations: int = 8
+    system_prompt_tokens: int = 512
+    turn_tokens: tuple[int, int] = (64, 384)
+    decode_tokens: int = 16
+    max_running: int = 4
+    seed: int = 0
+    shared_pool: bool = False
+    memcpy_probe_bytes: int = 64 * MiB
+    step_timeout_s: float = 120.0
+    worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S
+    tiering: TieringConfig | None = None
+
+
+DEFAULT_OPTIONS = DemoOptions()
+"""The options of a plain ``kvoffload demo``."""
+
+
+@dataclass
+class Request:
+    req_id: str
+    conversation: int
+    tokens: list[int]
+    prompt_len: int
+    decode_left: int
+    hashes: list[BlockHash]
+    blocks: list[list[int]] = field(default_factory=list)
+    num_computed: int = 0
+    loaded: int = 0
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.free = deque(range(num_blocks))
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        return [self.free.popleft() for _ in range(n)]
+
+    def release(self, blocks: Sequence[int]) -> None:
+        self.free.extend(blocks)
+
+
+class Workload:
+    """Conversations that alternate user turns and generated replies; the next turn needs the last reply."""
+
+    def __init__(self, options: DemoOptions, tokens_per_hash: int) -> None:
+        self.options = options
+        self.tph = tokens_per_hash
+        self.rng = random.Random(options.seed)
+        system = [self.rng.randrange(1, 32000) for _ in range(options.system_prompt_tokens)]
+        self.history = [list(system) for _ in range(options.conversations)]
+        self.ready = deque(range(options.conversations))
+        self.issued = 0
+
+    def next_request(self) -> Request | None:
+        if self.issued >= self.options.requests or not self.ready:
+            return None
+        conv = self.ready.popleft()
+        lo, hi = self.options.turn_tokens
+        turn = [self.rng.randrange(1, 32000) for _ in range(self.rng.randint(lo, hi))]
+        tokens = self.history[conv] + turn
+        self.issued += 1
+        return Request(
+            req_id=f"conv{conv}-turn{self.issued}",
+            conversation=conv,
+            tokens=tokens,
+            prompt_len=len(tokens),
+            decode_left=self.options.decode_tokens,
+            hashes=hash_token_blocks(tokens, self.tph),
+        )
+
+    def finished(self, req: Request) -> None:
+        self.history[req.conversation] = list(req.tokens)
+        self.ready.append(req.conversation)
+
+
+def check_workload_fits(
+    options: DemoOptions, tokens_per_hash: int, groups: Sequence[OffloadingGroupConfig], num_blocks: int
+) -> None:
+    """Refuse up front a workload whose longest conversation can never fit the engine block pool.
+
+    The turn lengths are replayed from the seed (they do not depend on scheduling); which conversation gets
+    which turn does, so the bound is the least the longest conversation must reach: the system prompt, an
+    even share of all turns, and one reply. A workload passing this check may still grow one conversation past
+    the pool; the engine then refuses that request as soon as it comes up (never a livelock).
+    """
+    workload = Workload(options, tokens_per_hash)
+    system = len(workload.history[0])
+    turns = 0
+    while (req := workload.next_request()) is not None:
+        turns += req.prompt_len - system
+        workload.ready.append(req.conversation)  # history stays the system prompt: each turn counted once
+    share = -(-turns // options.conversations)
+    tokens = system + share + options.decode_tokens
+    need = sum(-(-tokens // g.tokens_per_block) for g in groups)
+    if need > num_blocks:
+        raise ConfigError(
+            f"the workload cannot run: its longest conversation reaches at least {tokens} tokens ({system} system "
+            f"prompt + {share} of {turns} turn tokens over {options.conversations} conversations + "
+            f"{options.decode_tokens} decoded), {need} engine blocks, but the engine block pool has "
+            f"num_blocks={num_blocks} (use fewer --requests, more --conversations, or more num_blocks)"
+        )
+
+
+def longest_conversation_tokens(options: DemoOptions) -> int:
+    """A generous bound on the tokens one conversation reaches: system prompt, and one turn more than an even
+    share of the requests, each of the longest turn length plus its reply (used to size a shrunk snapshot)."""
+    turns = min(options.requests, -(-options.requests // options.conversations) + 1)
+    return options.system_prompt_tokens + turns * (options.turn_tokens[1] + options.decode_tokens)
