@@ -98,7 +98,7 @@ from .translate import build_offloading_config, explain_offloading_config, trans
 if _TYPE_CHECKING:
     from .events import KVEventPublisher, KVEventSubscriber
     from .metrics import MetricsSnapshot, SchedulerMetrics, WorkerMetrics
-    from .offload.copy import CopyEngine, TransferLayout, TransferResult, transfer_layout_from_config
+    from .offload.copy import CopyEngine, TransferLayout, transfer_layout_from_config
     from .offload.host_pool import HostPool, HostPoolPlan, plan_host_pool, plan_host_pool_from_config
     from .offload.worker import OffloadWorker
     from .runnable import validate_runnable
@@ -107,7 +107,6 @@ if _TYPE_CHECKING:
 _LAZY = {
     "CopyEngine": "kvoffload.offload.copy",
     "TransferLayout": "kvoffload.offload.copy",
-    "TransferResult": "kvoffload.offload.copy",
     "transfer_layout_from_config": "kvoffload.offload.copy",
     "HostPool": "kvoffload.offload.host_pool",
     "HostPoolPlan": "kvoffload.offload.host_pool",
@@ -218,7 +217,6 @@ __all__ = [
     "TransferError",
     "TransferJob",
     "TransferLayout",
-    "TransferResult",
     "UniformTypeKVCacheSpecs",
     "ValueOverflowError",
     "VerificationError",

@@ -552,7 +552,7 @@ def test_completion_is_fifo_per_direction_with_bytes(
         (8, False),
     ]
     assert [r.num_bytes for r in results] == [2 * 128 + 64] * 3 + [3 * 64] * 2
-    assert all(r.success and r.error is None and r.seconds >= 0 for r in results)
+    assert all(r.success and r.error == "" and r.seconds >= 0 for r in results)
 
 
 def test_failing_copy_reports_failure_and_engine_keeps_working(

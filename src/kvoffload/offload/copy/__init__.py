@@ -9,7 +9,7 @@
 * :mod:`.engine` - :class:`CopyEngine`, the facade a worker uses: validate, plan, submit, poll.
 """
 
-from kvoffload.offload.copy.backend import CopyBackend, Direction, TransferResult
+from kvoffload.offload.copy.backend import CopyBackend, Direction
 from kvoffload.offload.copy.engine import CopyEngine
 from kvoffload.offload.copy.placement import (
     CopySegment,
@@ -35,7 +35,6 @@ __all__ = [
     "Placement",
     "PlacementLike",
     "TransferLayout",
-    "TransferResult",
     "build_block_slots",
     "build_copy_runs",
     "build_transfer_layout",

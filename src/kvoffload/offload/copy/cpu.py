@@ -19,7 +19,8 @@ import numpy as np
 import torch
 import xxhash
 
-from kvoffload.offload.copy.backend import Direction, Integrity, TransferResult, corrupt_result, failed_result
+from kvoffload._generated import JobResult
+from kvoffload.offload.copy.backend import Direction, Integrity, corrupt_result, done_result, failed_result
 from kvoffload.offload.copy.runs import CopyRuns
 from kvoffload.offload.integrity import BlockSlots
 
@@ -210,7 +211,7 @@ class CpuBackend:
         self._parts = threads
         self._helpers = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvoffload-copy") if threads > 1 else None
         self._cond = threading.Condition()
-        self._done: dict[Direction, deque[TransferResult]] = {d: deque() for d in Direction}
+        self._done: dict[Direction, deque[JobResult]] = {d: deque() for d in Direction}
         self._pending: set[int] = set()
         self._queues: dict[Direction, queue.SimpleQueue[tuple[int, CopyRuns, BlockSlots | None] | None]] = {
             d: queue.SimpleQueue() for d in Direction
@@ -248,7 +249,7 @@ class CpuBackend:
                 if bad:
                     result = corrupt_result(job_id, seconds, bad)
                 else:
-                    result = TransferResult(job_id, True, is_store, runs.num_bytes, seconds)
+                    result = done_result(job_id, direction, runs.num_bytes, seconds)
             except Exception as exc:
                 result = failed_result(job_id, direction, time.perf_counter() - start, exc)
             with self._cond:
@@ -293,7 +294,7 @@ class CpuBackend:
                 raise error
         return digests
 
-    def poll(self) -> list[TransferResult]:
+    def poll(self) -> list[JobResult]:
         with self._cond:
             out = [*self._done[Direction.STORE], *self._done[Direction.LOAD]]
             for done in self._done.values():
