@@ -7,7 +7,7 @@ the chunk ids named, for private and shared pools, whole and partial chunks, wit
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -384,14 +384,18 @@ def test_a_store_invalidates_its_entries_until_its_copy_completes(
     )
     assert pool.integrity.states(slots).tolist() == [SEALED]
     release, started = threading.Event(), threading.Event()
-    real = cpu._memmove_runs
 
-    def held(*args: list[int]) -> None:
-        started.set()
-        release.wait(10)
-        real(*args)
+    def holding(real: Callable[..., None]) -> Callable[..., None]:
+        def held(*args: object) -> None:
+            started.set()
+            release.wait(10)
+            real(*args)
 
-    monkeypatch.setattr(cpu, "_memmove_runs", held)
+        return held
+
+    # hold whichever copy path the job takes (block views for these small pages, memmove for long ones)
+    monkeypatch.setattr(cpu, "_memmove_runs", holding(cpu._memmove_runs))
+    monkeypatch.setattr(cpu, "_copy_views", holding(cpu._copy_views))
     mover.submit_store(2, **job)  # type: ignore[arg-type]
     assert started.wait(10)
     assert pool.integrity.states(slots).tolist() == [0]  # a load now would fail: the bytes are changing

@@ -84,7 +84,7 @@ class CopyEngine:
         if kv_flat.is_cuda:
             self._backend = CudaBackend(kv_flat, host_flat, integrity)
         elif kv_flat.device.type == "cpu":
-            self._backend = CpuBackend(kv_flat, host_flat, threads, integrity)
+            self._backend = CpuBackend(kv_flat, host_flat, threads, integrity, layout)
         else:
             raise ConfigError(f"kv_memory on device {kv_flat.device} is not supported (cpu or cuda)")
 
