@@ -37,12 +37,12 @@ def test_pages_stepping_evenly_in_engine_and_packed_in_host_are_one_piece() -> N
     assert (p.pages, p.width, p.page_stride, p.host_stride) == (4, page, blocks * page, page)
 
 
-def test_irregular_steps_split_and_long_pages_cut_into_columns() -> None:
+def test_irregular_steps_split_and_views_stay_small() -> None:
     irregular = _group((0, 64, 64, 0), (1024, 64, 64, 64), (4096, 64, 64, 128))  # steps 1024 then 3072
     assert [p.pages for p in _group_pieces(irregular) or ()] == [2, 1]
-    long_page = 192 << 10  # above one view's 128 KiB: two columns
-    cut = _group_pieces(_group((0, long_page, long_page, 0)))
-    assert cut is not None and [(p.host_offset, p.width) for p in cut] == [(0, 128 << 10), (128 << 10, 64 << 10)]
+    page = 48 << 10  # two pages fit one view, a third would not
+    three = _group(*((i * page * 4, page * 4, page, i * page) for i in range(3)))
+    assert [p.pages for p in _group_pieces(three) or ()] == [2, 1]
 
 
 def test_unaligned_or_too_long_pages_take_the_run_path() -> None:

@@ -1,6 +1,6 @@
 """The CPU backend: one thread per direction copies each job, big jobs shared with helper threads.
 
-Small pages (up to 256 KB) are copied block by block through cached tensor views (:mod:`.views`), a stretch
+Small pages (up to 128 KB) are copied block by block through cached tensor views (:mod:`.views`), a stretch
 of blocks per GIL-free torch call; longer pages run by run with memmove. With content checksums on, every
 sub-block is hashed right after its bytes were copied, while they are in cache: a store hashes what it just
 wrote, a load the host bytes it just read.
