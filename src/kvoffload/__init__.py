@@ -100,7 +100,7 @@ from .translate import build_offloading_config, explain_offloading_config, trans
 if _TYPE_CHECKING:
     from .events import KVEventPublisher, KVEventSubscriber
     from .metrics import MetricsSnapshot, SchedulerMetrics, WorkerMetrics
-    from .offload.copy import CopyEngine, TransferLayout, TransferResult, transfer_layout_from_config
+    from .offload.copy import CopyEngine, TransferLayout, transfer_layout_from_config
     from .offload.host_pool import HostPool
     from .offload.pool_plan import HostPoolPlan, plan_host_pool, plan_host_pool_from_config
     from .offload.worker import OffloadWorker
@@ -110,7 +110,6 @@ if _TYPE_CHECKING:
 _LAZY = {
     "CopyEngine": "kvoffload.offload.copy",
     "TransferLayout": "kvoffload.offload.copy",
-    "TransferResult": "kvoffload.offload.copy",
     "transfer_layout_from_config": "kvoffload.offload.copy",
     "HostPool": "kvoffload.offload.host_pool",
     "HostPoolPlan": "kvoffload.offload.pool_plan",
@@ -223,7 +222,6 @@ __all__ = [
     "TransferError",
     "TransferJob",
     "TransferLayout",
-    "TransferResult",
     "UniformTypeKVCacheSpecs",
     "ValueOverflowError",
     "VerificationError",

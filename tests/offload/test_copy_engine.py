@@ -552,7 +552,7 @@ def test_completion_is_fifo_per_direction_with_bytes(
         (8, False),
     ]
     assert [r.num_bytes for r in results] == [2 * 128 + 64] * 3 + [3 * 64] * 2
-    assert all(r.success and r.error is None and r.seconds >= 0 for r in results)
+    assert all(r.success and r.error == "" and r.seconds >= 0 for r in results)
 
 
 def test_failing_copy_reports_failure_and_engine_keeps_working(
@@ -565,7 +565,8 @@ def test_failing_copy_reports_failure_and_engine_keeps_working(
 
     job = {"group_sizes": [1, 0], "block_indices": [0, 0], "block_ids": [1], "chunk_ids": [0]}
     with CopyEngine(kv, layout, pool) as mover:
-        monkeypatch.setattr(cpu, "_memmove_runs", broken)
+        monkeypatch.setattr(cpu, "_memmove_runs", broken)  # either copy path fails
+        monkeypatch.setattr(cpu, "_copy_views", broken)
         mover.submit_store(1, **job)
         mover.wait([1], timeout=10)
         (failed,) = mover.poll()
@@ -582,13 +583,18 @@ def test_wait_timeout_raises_transfer_error(
 ) -> None:
     _, layout, pool, kv = mixed
     release = threading.Event()
-    real = cpu._memmove_runs
+    real, real_views = cpu._memmove_runs, cpu._copy_views
 
     def slow(*args: list[int]) -> None:
         release.wait(10)
         real(*args)
 
+    def slow_views(*args: object) -> None:
+        release.wait(10)
+        real_views(*args)  # type: ignore[arg-type]
+
     monkeypatch.setattr(cpu, "_memmove_runs", slow)
+    monkeypatch.setattr(cpu, "_copy_views", slow_views)
     with CopyEngine(kv, layout, pool) as mover:
         mover.submit_load(5, group_sizes=[1, 0], block_indices=[0, 0], block_ids=[1], chunk_ids=[0])
         with pytest.raises(TransferError, match=r"jobs \[5\] did not finish within 0.05s"):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from .._generated import JobResult, StepPlan, TransferJob, WorkerReport
 from ..errors import KVOffloadError
-from ..packed import Int32Array, Int64Array, pack_int64
+from ..packed import Int32Array, Int64Array
 from .copy import CopyEngine
 
 if TYPE_CHECKING:
@@ -68,18 +68,7 @@ class OffloadWorker:
 
     def report(self, step: int) -> WorkerReport:
         """Jobs finished since the last report (submission order per direction; failures included)."""
-        results = [
-            JobResult(
-                job_id=r.job_id,
-                success=r.success,
-                is_store=r.is_store,
-                num_bytes=r.num_bytes,
-                seconds=r.seconds,
-                error=r.error or "",
-                corrupt_chunk_ids=pack_int64(r.corrupt_chunk_ids),
-            )
-            for r in self.engine.poll()
-        ]
+        results = self.engine.poll()
         for r in results:
             if r.corrupt_chunk_ids:
                 self.corrupt_loads += 1

@@ -9,7 +9,7 @@
 * :mod:`.engine` - :class:`CopyEngine`, the facade a worker uses: validate, plan, submit, poll.
 """
 
-from kvoffload.offload.copy.backend import CopyBackend, Direction, TransferResult
+from kvoffload.offload.copy.backend import CopyBackend, Direction
 from kvoffload.offload.copy.engine import CopyEngine
 from kvoffload.offload.copy.placement import (
     CopySegment,
@@ -33,7 +33,6 @@ __all__ = [
     "KVCacheTensorLike",
     "LayerPlacement",
     "TransferLayout",
-    "TransferResult",
     "build_block_slots",
     "build_copy_runs",
     "build_transfer_layout",

@@ -1,5 +1,7 @@
-"""What a copy backend is: the :class:`CopyBackend` protocol, the :class:`Direction` of a job, and its
-:class:`TransferResult`.
+"""What a copy backend is: the :class:`CopyBackend` protocol and the :class:`Direction` of a job.
+
+A finished job is reported as the wire type :class:`~kvoffload.JobResult` itself (what a worker sends the
+scheduler), so the outcome of a copy has one name from the backend to the scheduler.
 
 A backend executes already planned jobs (:class:`~kvoffload.offload.copy.runs.CopyRuns` plus the sub-blocks
 they touch) asynchronously, in submission order per direction, and seals stores / verifies loads in the host
@@ -14,10 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvoffload._generated import JobResult
 from kvoffload.offload.copy.runs import CopyRuns
 from kvoffload.offload.integrity import BlockSlots, IntegrityTable
+from kvoffload.packed import pack_int64
 
-__all__ = ["CopyBackend", "Direction", "Integrity", "TransferResult", "corrupt_result", "failed_result"]
+__all__ = ["CopyBackend", "Direction", "Integrity", "corrupt_result", "done_result", "failed_result"]
 
 
 class Direction(enum.Enum):
@@ -28,33 +32,39 @@ class Direction(enum.Enum):
 
     @property
     def is_store(self) -> bool:
-        """True for :attr:`STORE` (the flag :class:`TransferResult` carries)."""
+        """True for :attr:`STORE` (the ``is_store`` flag of a :class:`~kvoffload.JobResult`)."""
         return self is Direction.STORE
 
 
-@dataclass(frozen=True)
-class TransferResult:
-    """Outcome of one job: bytes moved (0 on failure) and the seconds its copies took."""
-
-    job_id: int
-    success: bool
-    is_store: bool
-    num_bytes: int
-    seconds: float
-    error: str | None = None
-    corrupt_chunk_ids: tuple[int, ...] = ()
-    """Chunks whose key tag or checksum did not verify (a failed load); empty otherwise."""
+def done_result(job_id: int, direction: Direction, num_bytes: int, seconds: float) -> JobResult:
+    """A job whose copies completed (and, for a load, verified)."""
+    return JobResult(job_id=job_id, success=True, is_store=direction.is_store, num_bytes=num_bytes, seconds=seconds)
 
 
-def failed_result(job_id: int, direction: Direction, seconds: float, exc: BaseException) -> TransferResult:
-    """A job that raised ``exc``: no bytes count as moved."""
-    return TransferResult(job_id, False, direction.is_store, 0, seconds, f"{type(exc).__name__}: {exc}")
+def failed_result(job_id: int, direction: Direction, seconds: float, exc: BaseException) -> JobResult:
+    """A job that raised ``exc``: no bytes count as moved; ``error`` names the exception."""
+    return JobResult(
+        job_id=job_id,
+        success=False,
+        is_store=direction.is_store,
+        num_bytes=0,
+        seconds=seconds,
+        error=f"{type(exc).__name__}: {exc}",
+    )
 
 
-def corrupt_result(job_id: int, seconds: float, chunk_ids: Sequence[int]) -> TransferResult:
+def corrupt_result(job_id: int, seconds: float, chunk_ids: Sequence[int]) -> JobResult:
     """A load that found host chunks whose key tag or checksum did not verify."""
     message = f"integrity: host chunks {list(chunk_ids)} failed verification (key tag or content checksum)"
-    return TransferResult(job_id, False, False, 0, seconds, message, tuple(chunk_ids))
+    return JobResult(
+        job_id=job_id,
+        success=False,
+        is_store=False,
+        num_bytes=0,
+        seconds=seconds,
+        error=message,
+        corrupt_chunk_ids=pack_int64(chunk_ids),
+    )
 
 
 @dataclass(frozen=True)
@@ -84,7 +94,7 @@ class CopyBackend(Protocol):
         """Queue a job and return at once (``slots``: the sub-blocks to seal or verify, None for none)."""
         ...
 
-    def poll(self) -> list[TransferResult]:
+    def poll(self) -> list[JobResult]:
         """Finished jobs since the last call: stores then loads, each in submission order."""
         ...
 

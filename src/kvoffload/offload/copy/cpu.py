@@ -1,7 +1,9 @@
-"""The CPU backend: one thread per direction copies each job's runs with memmove, big jobs shared with helpers.
+"""The CPU backend: one thread per direction copies each job, big jobs shared with helper threads.
 
-With content checksums on, a job is copied and hashed slot by slot so that every sub-block is hashed while its
-bytes are still in cache: a store hashes what it just wrote, a load the host bytes it just read.
+Small pages (up to 128 KB) are copied block by block through cached tensor views (:mod:`.views`), a stretch
+of blocks per GIL-free torch call; longer pages run by run with memmove. With content checksums on, every
+sub-block is hashed right after its bytes were copied, while they are in cache: a store hashes what it just
+wrote, a load the host bytes it just read.
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ import numpy as np
 import torch
 import xxhash
 
-from kvoffload.offload.copy.backend import Direction, Integrity, TransferResult, corrupt_result, failed_result
+from kvoffload._generated import JobResult
+from kvoffload.offload.copy.backend import Direction, Integrity, corrupt_result, done_result, failed_result
+from kvoffload.offload.copy.placement import TransferLayout
 from kvoffload.offload.copy.runs import CopyRuns
+from kvoffload.offload.copy.views import BlockViews, ViewJob
 from kvoffload.offload.integrity import BlockSlots
 
 __all__ = ["CpuBackend"]
@@ -34,7 +39,30 @@ _PARALLEL_MIN_BYTES = 2 << 20
 _HASH_BYTES = 256 << 10
 """With checksums, runs are copied and slots hashed in stretches of at most this size (stays in L2)."""
 
+_VIEW_STRETCH_BYTES = 512 << 10
+"""With checksums, block views are copied in stretches of about this many bytes, each hashed right after."""
+
 _xxh3_64 = xxhash.xxh3_64_intdigest
+_foreach_copy = getattr(torch, "_foreach_copy_", None)
+
+
+def _copy_views(
+    job: ViewJob, lo: int, hi: int, step: int, host: memoryview, slots: BlockSlots | None, digests: list[int]
+) -> None:
+    """Copy the views of slots ``[lo, hi)``, ``step`` slots per torch call; hash each stretch's slots after it
+    (when ``slots`` is given) into ``digests``."""
+    dst, src, ends = job.dst, job.src, job.ends
+    for a in range(lo, hi, step):
+        b = min(a + step, hi)
+        first, last = ends[a - 1] if a else 0, ends[b - 1]
+        if _foreach_copy is not None:
+            _foreach_copy(dst[first:last], src[first:last])
+        else:  # torch without foreach ops: one copy per view
+            deque(map(torch.Tensor.copy_, dst[first:last], src[first:last]), maxlen=0)
+        if slots is not None:
+            offsets, lengths = slots.host_offsets, slots.lengths
+            for j in range(a, b):
+                digests[j] = _xxh3_64(host[offsets[j] : offsets[j] + lengths[j]])
 
 
 def _memmove_runs(dsts: list[int], srcs: list[int], lengths: list[int]) -> None:
@@ -203,14 +231,22 @@ class CpuBackend:
     a store seals its sub-blocks, a load verifies them and fails if any does not match.
     """
 
-    def __init__(self, kv_flat: torch.Tensor, host_flat: torch.Tensor, threads: int, integrity: Integrity) -> None:
+    def __init__(
+        self,
+        kv_flat: torch.Tensor,
+        host_flat: torch.Tensor,
+        threads: int,
+        integrity: Integrity,
+        layout: TransferLayout | None = None,
+    ) -> None:
         self._kv = kv_flat
+        self._views = BlockViews(kv_flat, host_flat, layout) if layout is not None else None
         self._integrity = integrity
         self._host = host_flat  # the references keep the memory behind the raw pointers alive
         self._parts = threads
         self._helpers = ThreadPoolExecutor(threads - 1, thread_name_prefix="kvoffload-copy") if threads > 1 else None
         self._cond = threading.Condition()
-        self._done: dict[Direction, deque[TransferResult]] = {d: deque() for d in Direction}
+        self._done: dict[Direction, deque[JobResult]] = {d: deque() for d in Direction}
         self._pending: set[int] = set()
         self._queues: dict[Direction, queue.SimpleQueue[tuple[int, CopyRuns, BlockSlots | None] | None]] = {
             d: queue.SimpleQueue() for d in Direction
@@ -235,7 +271,11 @@ class CpuBackend:
             start = time.perf_counter()
             try:
                 sums: list[int] | None = None
-                if integrity.checksums and slots is not None and len(slots) and len(runs):
+                hashed = integrity.checksums and slots is not None and len(slots) > 0 and len(runs) > 0
+                view_job = self._view_job(runs, is_store, slots)
+                if view_job is not None:
+                    sums = self._execute_views(view_job, runs.num_bytes, slots if hashed else None)
+                elif hashed and slots is not None:
                     sums = self._execute_hashed(runs, is_store, slots)
                 else:
                     self._execute(runs, is_store)
@@ -248,13 +288,50 @@ class CpuBackend:
                 if bad:
                     result = corrupt_result(job_id, seconds, bad)
                 else:
-                    result = TransferResult(job_id, True, is_store, runs.num_bytes, seconds)
+                    result = done_result(job_id, direction, runs.num_bytes, seconds)
             except Exception as exc:
                 result = failed_result(job_id, direction, time.perf_counter() - start, exc)
             with self._cond:
                 self._done[direction].append(result)
                 self._pending.discard(job_id)
                 self._cond.notify_all()
+
+    def _view_job(self, runs: CopyRuns, is_store: bool, slots: BlockSlots | None) -> ViewJob | None:
+        """The job as block views, or None when it takes the run path (long pages, unaligned or overlapping)."""
+        blocks = runs.blocks
+        if self._views is None or blocks is None or not len(runs):
+            return None
+        if slots is not None and len(slots) != blocks.groups.size:
+            return None
+        if not self._views.supports(np.unique(blocks.groups).tolist()) or not BlockViews.host_words(blocks):
+            return None
+        if is_store and np.unique(blocks.host_blocks).size != blocks.host_blocks.size:
+            return None  # two blocks into one sub-block: keep the ordered run path
+        return self._views.job(blocks, is_store)
+
+    def _execute_views(self, job: ViewJob, num_bytes: int, slots: BlockSlots | None) -> list[int] | None:
+        """Copy a view job (shared with helpers when big), hashing its slots when ``slots`` is given."""
+        n = len(job.ends)
+        parts = self._parts if self._helpers is not None and num_bytes >= _PARALLEL_MIN_BYTES else 1
+        step = max(1, _VIEW_STRETCH_BYTES * n // max(num_bytes, 1)) if slots is not None else n
+        digests = [0] * n
+        host = self._integrity.host
+        bounds = [n * k // parts for k in range(parts + 1)]
+        shares = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+        futures = (
+            [self._helpers.submit(_copy_views, job, a, b, step, host, slots, digests) for a, b in shares[1:]]
+            if self._helpers
+            else []
+        )
+        try:
+            if shares:
+                _copy_views(job, *shares[0], step, host, slots, digests)
+        finally:
+            errors = [f.exception() for f in futures]
+        for error in errors:
+            if error is not None:
+                raise error
+        return digests if slots is not None else None
 
     def _execute(self, runs: CopyRuns, is_store: bool) -> None:
         if len(runs) == 0:
@@ -293,7 +370,7 @@ class CpuBackend:
                 raise error
         return digests
 
-    def poll(self) -> list[TransferResult]:
+    def poll(self) -> list[JobResult]:
         with self._cond:
             out = [*self._done[Direction.STORE], *self._done[Direction.LOAD]]
             for done in self._done.values():

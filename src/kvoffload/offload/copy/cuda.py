@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvoffload._generated import JobResult
 from kvoffload.errors import TransferError
-from kvoffload.offload.copy.backend import Direction, Integrity, TransferResult, corrupt_result, failed_result
+from kvoffload.offload.copy.backend import Direction, Integrity, corrupt_result, done_result, failed_result
 from kvoffload.offload.copy.runs import CopyRuns, merge_runs
 from kvoffload.offload.integrity import BlockSlots
 
@@ -139,8 +140,8 @@ class CudaBackend:
         self._last_end[direction] = end
         jobs.append(_CudaJob(job_id, runs.num_bytes, start, end, keep, slots=slots))
 
-    def poll(self) -> list[TransferResult]:
-        out: list[TransferResult] = []
+    def poll(self) -> list[JobResult]:
+        out: list[JobResult] = []
         for direction in (Direction.STORE, Direction.LOAD):
             jobs = self._jobs[direction]
             while jobs:
@@ -154,7 +155,7 @@ class CudaBackend:
                         seconds = job.start.elapsed_time(job.end) * 1e-3
                         if direction is Direction.STORE:
                             self._integrity.seal(job.slots)  # host bytes are final once the end event fired
-                        result = TransferResult(job.job_id, True, direction.is_store, job.num_bytes, seconds)
+                        result = done_result(job.job_id, direction, job.num_bytes, seconds)
                     else:
                         result = failed_result(job.job_id, direction, 0.0, job.error or TransferError("no events"))
                 except Exception as exc:  # an asynchronous CUDA error surfaces here

@@ -6,8 +6,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from kvoffload._generated import JobResult
 from kvoffload.errors import ConfigError, InvalidStateError, TransferError
-from kvoffload.offload.copy.backend import CopyBackend, Direction, Integrity, TransferResult
+from kvoffload.offload.copy.backend import CopyBackend, Direction, Integrity
 from kvoffload.offload.copy.cpu import CpuBackend
 from kvoffload.offload.copy.cuda import CudaBackend
 from kvoffload.offload.copy.placement import TransferLayout
@@ -25,7 +26,7 @@ class CopyEngine:
     ``layout`` describes. ``submit_store``/``submit_load`` validate, plan the runs and return at once;
     :meth:`poll` returns finished jobs, in submission order per direction. CPU memory: one thread per
     direction (``cpu_threads`` threads share a big job). CUDA memory: one stream per direction, timed with
-    CUDA events. Copy failures become ``TransferResult(success=False)``. Call from one thread.
+    CUDA events. Copy failures become ``JobResult(success=False)``. Call from one thread.
 
     Integrity (on by default): every store records, per sub-block of this rank's slot, the key tag from
     ``chunk_tags`` and an xxh3_64 checksum of the stored bytes in the pool's table; every load verifies both
@@ -83,7 +84,7 @@ class CopyEngine:
         if kv_flat.is_cuda:
             self._backend = CudaBackend(kv_flat, host_flat, integrity)
         elif kv_flat.device.type == "cpu":
-            self._backend = CpuBackend(kv_flat, host_flat, threads, integrity)
+            self._backend = CpuBackend(kv_flat, host_flat, threads, integrity, layout)
         else:
             raise ConfigError(f"kv_memory on device {kv_flat.device} is not supported (cpu or cuda)")
 
@@ -194,7 +195,7 @@ class CopyEngine:
         """Whether stores record and loads verify content checksums (key tags always are)."""
         return self._checksums
 
-    def poll(self) -> list[TransferResult]:
+    def poll(self) -> list[JobResult]:
         """Finished jobs since the last call: stores then loads, each in submission order."""
         results = self._backend.poll()
         for result in results:

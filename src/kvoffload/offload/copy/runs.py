@@ -20,21 +20,34 @@ from kvoffload.errors import ConfigError
 from kvoffload.offload.copy.placement import TransferLayout
 from kvoffload.offload.integrity import BlockSlots, IntegrityTable
 
-__all__ = ["CopyRuns", "IdsLike", "build_block_slots", "build_copy_runs"]
+__all__ = ["CopyRuns", "IdsLike", "JobBlocks", "build_block_slots", "build_copy_runs"]
 
 IdsLike = Sequence[int] | torch.Tensor
 """Block or chunk ids: a sequence of ints or a 1-D integer tensor."""
 
 
 @dataclass(frozen=True)
+class JobBlocks:
+    """The blocks of one job in job order (the order of its sub-block slots): the group of each, its engine
+    block id and the host byte where its sub-block starts. A backend may copy block by block instead of run
+    by run."""
+
+    groups: np.ndarray  # int64
+    engine_blocks: np.ndarray  # int64
+    host_blocks: np.ndarray  # int64
+
+
+@dataclass(frozen=True)
 class CopyRuns:
     """Coalesced byte runs of one job: ``lengths[i]`` bytes between engine byte ``engine_offsets[i]`` and
-    host byte ``host_offsets[i]`` (offsets into the flat engine allocation and the flat host rows)."""
+    host byte ``host_offsets[i]`` (offsets into the flat engine allocation and the flat host rows), and the
+    job's blocks they come from."""
 
     engine_offsets: torch.Tensor
     host_offsets: torch.Tensor
     lengths: torch.Tensor
     num_bytes: int
+    blocks: JobBlocks | None = None
 
     @staticmethod
     def empty() -> CopyRuns:
@@ -119,6 +132,7 @@ def build_copy_runs(
     engine_parts: list[torch.Tensor] = []
     host_parts: list[torch.Tensor] = []
     length_parts: list[torch.Tensor] = []
+    block_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     num_bytes = 0
     block_pos = chunk_pos = 0
     for g, (n, b) in enumerate(zip(group_sizes, block_indices, strict=True)):
@@ -132,10 +146,11 @@ def build_copy_runs(
         block_pos += n
         chunk_pos += count
         num_bytes += n * group.bytes_per_block
-        if not group.segments:
-            continue
         chunk_of_block, sub_block = _block_positions(group_chunks, skip, n, bpc)
         host_block = chunk_of_block * host_row_bytes + sub_block * wkb + host_slot_offset
+        block_parts.append((np.full(n, g, dtype=np.int64), engine_blocks.numpy(), host_block.numpy()))
+        if not group.segments:
+            continue
         seg = torch.tensor(
             [(s.engine_offset, s.block_stride, s.length, s.host_offset) for s in group.segments],
             dtype=torch.int64,
@@ -148,7 +163,12 @@ def build_copy_runs(
     if not engine_parts:
         return CopyRuns.empty()
     (engine, host), length = merge_runs((torch.cat(engine_parts), torch.cat(host_parts)), torch.cat(length_parts))
-    return CopyRuns(engine, host, length, num_bytes)
+    job_blocks = JobBlocks(
+        groups=np.concatenate([p[0] for p in block_parts]),
+        engine_blocks=np.concatenate([p[1] for p in block_parts]),
+        host_blocks=np.concatenate([p[2] for p in block_parts]),
+    )
+    return CopyRuns(engine, host, length, num_bytes, job_blocks)
 
 
 def _block_positions(group_chunks: torch.Tensor, skip: int, n: int, bpc: int) -> tuple[torch.Tensor, torch.Tensor]:
