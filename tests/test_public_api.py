@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import subprocess
 import sys
+
+import pytest
 
 import kvoffload
 
@@ -44,3 +47,215 @@ def test_import_does_not_need_jinja2() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# The curated public surface, spelled out: adding or removing a public name is a deliberate change here.
+EXPECTED_ALL: dict[str, list[str]] = {
+    "kvoffload": [
+        "ArgumentTypeError",
+        "AttentionSpec",
+        "BaseKVCacheSpec",
+        "BlockHash",
+        "BlockRemoved",
+        "BlockStored",
+        "CacheConfig",
+        "CacheDType",
+        "ChunkMiss",
+        "ChunkedLocalAttentionSpec",
+        "ConfigError",
+        "CopyEngine",
+        "DType",
+        "DeadlineError",
+        "Decision",
+        "EngineConfig",
+        "EngineSnapshot",
+        "Explanation",
+        "FullAttentionSpec",
+        "Heartbeat",
+        "Hello",
+        "HostBlockManager",
+        "HostMemoryError",
+        "HostPool",
+        "HostPoolPlan",
+        "Int32Array",
+        "Int32Bytes",
+        "Int64Array",
+        "Int64Bytes",
+        "InvalidStateError",
+        "JobResult",
+        "KVCacheConfig",
+        "KVCacheGroupRole",
+        "KVCacheGroupSpec",
+        "KVCacheSpec",
+        "KVCacheTensor",
+        "KVEvent",
+        "KVEventBatch",
+        "KVEventPublisher",
+        "KVEventSubscriber",
+        "KVEventsConfig",
+        "KVOffloadError",
+        "KVQuantMode",
+        "KVTransferConfig",
+        "LookupResult",
+        "MLAAttentionSpec",
+        "MambaSpec",
+        "ManagerStats",
+        "Medium",
+        "Message",
+        "MetricsSnapshot",
+        "MissReason",
+        "ModelConfig",
+        "OffloadEvent",
+        "OffloadKey",
+        "OffloadScheduler",
+        "OffloadWorker",
+        "OffloadingCacheConfig",
+        "OffloadingConfig",
+        "OffloadingConfigError",
+        "OffloadingGroupConfig",
+        "OffloadingModelConfig",
+        "OffloadingParallelConfig",
+        "ParallelConfig",
+        "PeerRole",
+        "ReportOutcome",
+        "SCHEMA_FINGERPRINT",
+        "SCHEMA_VERSION",
+        "SchedulerMetrics",
+        "SchedulerStats",
+        "SchemaMismatchError",
+        "Shutdown",
+        "SlidingWindowMLASpec",
+        "SlidingWindowSpec",
+        "SparseCacheRole",
+        "StepPlan",
+        "StorePlan",
+        "TransferError",
+        "TransferJob",
+        "TransferLayout",
+        "UniformTypeKVCacheSpecs",
+        "ValueOverflowError",
+        "VerificationError",
+        "WireError",
+        "WorkerCluster",
+        "WorkerContext",
+        "WorkerError",
+        "WorkerFailure",
+        "WorkerHook",
+        "WorkerMetrics",
+        "WorkerReport",
+        "build_offloading_config",
+        "codecs",
+        "explain_offloading_config",
+        "hash_token_blocks",
+        "load_snapshot",
+        "make_offload_key",
+        "pack_int32",
+        "pack_int64",
+        "plan_host_pool",
+        "plan_host_pool_from_config",
+        "register_policy",
+        "transfer_layout_from_config",
+        "translate_snapshot",
+        "unpack_int32",
+        "unpack_int64",
+        "validate_runnable",
+        "wire",
+        "__version__",
+    ],
+    "kvoffload.tiers": [
+        "BackpressureConfig",
+        "BackpressureSettings",
+        "CustomTierConfig",
+        "EMABackpressureDetector",
+        "EmbeddedValkey",
+        "FsTier",
+        "FsTierConfig",
+        "Namespace",
+        "SecondaryTier",
+        "SecondaryTierConfig",
+        "TierBase",
+        "TierIOResult",
+        "TierJob",
+        "TierJobResult",
+        "TierStats",
+        "TierStatsRow",
+        "TierWorker",
+        "TieredScheduler",
+        "TieringConfig",
+        "ValkeyTier",
+        "ValkeyTierConfig",
+        "namespace_for",
+        "namespaces_for_all_ranks",
+        "open_tier",
+        "resolve_backpressure",
+        "start_embedded_servers",
+        "tier_from_cli",
+        "tiering_config_from_extra",
+    ],
+    "kvoffload.metrics": [
+        "ALLOCATION_BUCKETS",
+        "HistogramSample",
+        "MULTIPROC_ENV",
+        "MetricSample",
+        "MetricsServer",
+        "MetricsSnapshot",
+        "SIZE_BUCKETS",
+        "SchedulerMetrics",
+        "TIME_BUCKETS",
+        "WorkerMetrics",
+        "add_worker_collector",
+        "mark_worker_dead",
+        "multiprocess_env",
+        "serve_metrics",
+    ],
+    "kvoffload.errors": [
+        "ArgumentTypeError",
+        "ConfigError",
+        "DeadlineError",
+        "HostMemoryError",
+        "InvalidStateError",
+        "KVOffloadError",
+        "OffloadingConfigError",
+        "RecordError",
+        "SchemaMismatchError",
+        "TierError",
+        "TransferError",
+        "ValueOverflowError",
+        "VerificationError",
+        "WireError",
+        "WorkerError",
+    ],
+}
+
+
+@pytest.mark.parametrize("module", sorted(EXPECTED_ALL))
+def test_all_is_exactly_the_curated_surface(module: str) -> None:
+    """``__all__`` of the package and of each documented subpackage is exactly this list (not a superset)."""
+    names = importlib.import_module(module).__all__
+    assert sorted(names) == sorted(EXPECTED_ALL[module])
+    assert len(names) == len(set(names))
+
+
+def test_every_public_module_is_documented() -> None:
+    """No new public module appears outside the documented subpackages: new implementation modules start with
+    ``_``. The listed top-level modules predate that rule (their public names are re-exported above)."""
+    documented = {"kvoffload", *EXPECTED_ALL, "kvoffload.wire", "kvoffload.runtime", "kvoffload.offload"}
+    public = set()
+    for info in pkgutil.walk_packages(kvoffload.__path__, "kvoffload."):
+        parts = info.name.split(".")
+        if any(p.startswith("_") for p in parts):
+            continue
+        public.add(info.name)
+    roots = {name for name in public if not any(name.startswith(d + ".") for d in documented)}
+    assert roots <= documented | {
+        "kvoffload.cli",
+        "kvoffload.demo",
+        "kvoffload.events",
+        "kvoffload.packed",
+        "kvoffload.runnable",
+        "kvoffload.snapshot",
+        "kvoffload.translate",
+        "kvoffload.integrations",
+        "kvoffload.integrations.vllm",
+        "kvoffload.integrations.tiny_model",
+    }, sorted(roots)

@@ -106,6 +106,7 @@ if _TYPE_CHECKING:
     from .offload.worker import OffloadWorker
     from .runnable import validate_runnable
     from .runtime.cluster import WorkerCluster
+    from .runtime.hooks import WorkerContext, WorkerHook
 
 _LAZY = {
     "CopyEngine": "kvoffload.offload.copy",
@@ -117,6 +118,8 @@ _LAZY = {
     "plan_host_pool_from_config": "kvoffload.offload.pool_plan",
     "OffloadWorker": "kvoffload.offload.worker",
     "WorkerCluster": "kvoffload.runtime.cluster",
+    "WorkerContext": "kvoffload.runtime.hooks",
+    "WorkerHook": "kvoffload.runtime.hooks",
     "validate_runnable": "kvoffload.runnable",
     # observability: prometheus_client and pyzmq load on first use (a worker picks its metrics mode at import)
     "KVEventPublisher": "kvoffload.events",
@@ -227,8 +230,10 @@ __all__ = [
     "VerificationError",
     "WireError",
     "WorkerCluster",
+    "WorkerContext",
     "WorkerError",
     "WorkerFailure",
+    "WorkerHook",
     "WorkerMetrics",
     "WorkerReport",
     "__version__",

@@ -1,4 +1,4 @@
-"""CopyEngine: layout placement, the §4.6 run math, byte-exact store/load round trips, completion."""
+"""CopyEngine: layout placement, the sub-block run math, byte-exact store/load round trips, completion."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def reference_pages(
     row_bytes: int,
     slot_offset: int = 0,
 ) -> list[tuple[int, int, int]]:
-    """(engine start, host start, length) of every page, written straight from reference §4.6."""
+    """(engine start, host start, length) of every page, written straight from the sub-block rule."""
     out = []
     wkb = layout.worker_kv_bytes_per_block
     block_pos = chunk_pos = 0

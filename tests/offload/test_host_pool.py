@@ -1,4 +1,4 @@
-"""Host pool sizing (reference §4.3) and allocation: private, pinned, shared across processes."""
+"""Host pool sizing and allocation: private, pinned, shared across processes."""
 
 from __future__ import annotations
 

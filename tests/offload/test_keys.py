@@ -1,4 +1,4 @@
-"""Offload keys, chunk arithmetic and the reference block hasher (reference doc §4.1, §5.4)."""
+"""Offload keys, chunk arithmetic and the reference block hasher."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""HostBlockManager against the vLLM 0.33 CPUOffloadingManager scenarios (reference doc §4.4 and §6A).
+"""HostBlockManager against the vLLM 0.33 CPUOffloadingManager scenarios.
 
 Expected chunk ids, evictions and events are derived by hand from the documented rules: fresh ids in
 increasing order, then the LIFO free list; offered keys are protected; LRU touch is applied reversed.

@@ -1,4 +1,4 @@
-"""LRU and ARC cache policies on their own (reference doc §4.5), plus the policy registry."""
+"""LRU and ARC cache policies on their own, plus the policy registry."""
 
 from __future__ import annotations
 

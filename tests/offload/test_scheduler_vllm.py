@@ -1,8 +1,8 @@
 """Scheduler lookups and finish ordering that a held-out run of vLLM 0.33's own tests found different.
 
-The scans follow ``_maximal_prefix_lookup`` / ``_sliding_window_lookup`` (reference §5.5 and the §6A
+The scans follow ``_maximal_prefix_lookup`` / ``_sliding_window_lookup`` (vLLM 0.33's scans, and the
 ``test_scheduler.py`` cases), the group loop follows ``_lookup``, and a finished request hands the policy
-every key it loaded, stored or reused in position order (§4.4-4.5), so a shared prefix outlives its tails.
+every key it loaded, stored or reused in position order, so a shared prefix outlives its tails.
 """
 
 from __future__ import annotations

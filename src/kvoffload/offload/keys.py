@@ -1,4 +1,4 @@
-"""Offload keys and chunk arithmetic, byte-compatible with vLLM 0.33 (reference doc §4.1 and §5.4).
+"""Offload keys and chunk arithmetic, byte-compatible with vLLM 0.33's offload keys and block hashes.
 
 An *offload key* names one chunk of KV cache in the host pool: the engine's block hash of the chunk's
 last hash-block followed by the KV-cache group id as 4 big-endian unsigned bytes (the same packing as

@@ -1,4 +1,4 @@
-"""The two per-group chunk scans of a scheduler lookup, with vLLM 0.33's semantics (reference §5.5, §6A).
+"""The two per-group chunk scans of a scheduler lookup (maximal prefix, sliding window), as vLLM 0.33 scans.
 
 Both take the manager's ``lookup`` and the group's chunk keys from the first chunk not computed locally,
 and return a number of chunks (from that first chunk) or ``None`` to ask again later. ``HIT_PENDING``

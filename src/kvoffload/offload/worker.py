@@ -1,6 +1,6 @@
 """The worker side: applies each StepPlan to one rank's copy engine and reports finished jobs.
 
-Per step, as vLLM 0.33's connector worker does (reference §5.3): the stores planned in the previous step are
+Per step, as vLLM 0.33's connector worker does: the stores planned in the previous step are
 submitted first (they were deferred so that offload copies never delay sampling), then the jobs named in
 ``flush`` are waited for (their engine blocks are about to be reused), then this step's loads are submitted.
 After the forward pass, this step's stores are queued for the next step. ``report`` collects what finished.

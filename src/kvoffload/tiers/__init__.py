@@ -18,7 +18,7 @@ from .._generated import (
     ValkeyTierConfig,
 )
 from .backpressure import BackpressureSettings, EMABackpressureDetector, resolve_backpressure
-from .base import SecondaryTier, TierBase, TierStats
+from .base import SecondaryTier, TierBase, TierIOResult, TierStats
 from .cascade import TieredScheduler, TierStatsRow, start_embedded_servers
 from .config import open_tier, tier_from_cli, tiering_config_from_extra
 from .fs import FsTier
@@ -38,6 +38,7 @@ __all__ = [
     "SecondaryTier",
     "SecondaryTierConfig",
     "TierBase",
+    "TierIOResult",
     "TierJob",
     "TierJobResult",
     "TierStats",

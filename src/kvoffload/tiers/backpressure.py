@@ -1,4 +1,4 @@
-"""Backpressure of cascades into a slow tier (vLLM 0.33's EMA detector and drop policies, reference §6).
+"""Backpressure of cascades into a slow tier (vLLM 0.33's EMA detector and drop policies).
 
 The detector keeps an exponential moving average of store latency per MiB. It is seeded with the mean of
 the first ``warmup_completions`` samples; pressure starts when the EMA exceeds ``high_water_s`` and clears

@@ -25,12 +25,13 @@ from typing import Protocol, runtime_checkable
 from .._ints import cdiv
 from ..errors import InvalidStateError, RecordError, TierError
 
-__all__ = ["SecondaryTier", "TierBase", "TierJobResult", "TierStats"]
+__all__ = ["SecondaryTier", "TierBase", "TierIOResult", "TierStats"]
 
 
 @dataclass(frozen=True, slots=True)
-class TierJobResult:
-    """A finished tier job: which keys failed (indices into the job's keys), bytes moved, seconds taken."""
+class TierIOResult:
+    """A finished job on one tier (its IO; the wire's ``TierJobResult`` is per worker): which keys failed
+    (indices into the job's keys), bytes moved, seconds taken."""
 
     job_id: int
     is_store: bool
@@ -83,7 +84,7 @@ class SecondaryTier(Protocol):
         """Start reading the record of ``keys[i]`` into the writable ``rows[i]`` (verified before success)."""
         ...
 
-    def get_finished(self) -> list[TierJobResult]:
+    def get_finished(self) -> list[TierIOResult]:
         """Jobs finished since the last call."""
         ...
 
@@ -146,7 +147,7 @@ class TierBase:
         self._lock = threading.Lock()
         self._done_cv = threading.Condition(self._lock)
         self._jobs: dict[int, _Job] = {}
-        self._finished: list[TierJobResult] = []
+        self._finished: list[TierIOResult] = []
         self._stats = TierStats()
         self._retry_backoff_s = retry_backoff_s
         self._max_backoff_s = max_backoff_s
@@ -220,7 +221,7 @@ class TierBase:
                     self._stats.stores_dropped += n
                 else:
                     self._stats.load_misses += n
-                self._finished.append(TierJobResult(job_id, is_store, n, tuple(range(n)), 0, 0.0))
+                self._finished.append(TierIOResult(job_id, is_store, n, tuple(range(n)), 0, 0.0))
                 self._done_cv.notify_all()
             return
         batches = self._batches(n, is_store=is_store)
@@ -277,13 +278,13 @@ class TierBase:
                     st.read_seconds += seconds
                 del self._jobs[job.job_id]
                 self._finished.append(
-                    TierJobResult(
+                    TierIOResult(
                         job.job_id, job.is_store, job.num_keys, tuple(sorted(job.failed)), job.num_bytes, seconds
                     )
                 )
                 self._done_cv.notify_all()
 
-    def get_finished(self) -> list[TierJobResult]:
+    def get_finished(self) -> list[TierIOResult]:
         """Jobs finished since the last call."""
         with self._lock:
             done, self._finished = self._finished, []

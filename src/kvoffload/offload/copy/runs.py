@@ -92,7 +92,7 @@ def build_copy_runs(
     host_row_bytes: int,
     host_slot_offset: int = 0,
 ) -> CopyRuns:
-    """Byte runs moving one job's pages (reference §4.6; the same runs serve stores and loads).
+    """Byte runs moving one job's pages (the same runs serve stores and loads).
 
     Group ``g`` moves ``group_sizes[g]`` engine blocks, taken in order from ``block_ids``; its first block
     has logical index ``block_indices[g]``, so it starts at sub-block ``skip = block_indices[g] %
@@ -172,7 +172,10 @@ def build_copy_runs(
 
 
 def _block_positions(group_chunks: torch.Tensor, skip: int, n: int, bpc: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host chunk id and sub-block of each of a group's ``n`` blocks entered at sub-block ``skip`` (§4.6)."""
+    """Host chunk id and sub-block of each of a group's ``n`` blocks entered at sub-block ``skip``.
+
+    Block ``i`` lands in chunk ``(skip+i) // bpc`` of the group's chunks, at sub-block ``(skip+i) % bpc``.
+    """
     sub = torch.arange(skip, skip + n, dtype=torch.int64)
     return group_chunks[sub // bpc], sub % bpc
 
