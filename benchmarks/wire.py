@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvoffload import StepPlan, TransferJob, wire
-from kvoffload.packed import pack_int32, pack_int64, unpack_int32, unpack_int64
+from kvoffload._packed import pack_int32, pack_int64, unpack_int32, unpack_int64
 
 BLOCKS_PER_CHUNK = 4
 TARGET = 15.0

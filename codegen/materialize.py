@@ -21,7 +21,7 @@ from typing import Annotated, cast
 
 import msgspec
 
-from kvoffload.packed import Buffer, Int32Bytes, Int64Bytes
+from kvoffload._packed import Buffer, Int32Bytes, Int64Bytes
 
 from .loader import Enum, Field, Schema, Struct, load_schema, member_name
 from .render import annotation

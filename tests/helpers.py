@@ -19,8 +19,8 @@ from kvoffload import (
     TransferJob,
     UniformTypeKVCacheSpecs,
 )
+from kvoffload._packed import pack_int32, pack_int64
 from kvoffload._page_math import first_layer_spec
-from kvoffload.packed import pack_int32, pack_int64
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from kvoffload import ConfigError, codecs
-from kvoffload.cli import main, to_toml
-from kvoffload.snapshot import load_snapshot
-from kvoffload.translate import translate_snapshot
+from kvoffload._cli import main, to_toml
+from kvoffload._snapshot import load_snapshot
+from kvoffload._translate import translate_snapshot
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.json"))
 
@@ -222,7 +222,7 @@ def test_console_script_has_no_traceback(tmp_path: Path) -> None:
         [
             sys.executable,
             "-c",
-            "import sys; from kvoffload.cli import main; sys.exit(main())",
+            "import sys; from kvoffload._cli import main; sys.exit(main())",
             "translate",
             str(bad),
         ],

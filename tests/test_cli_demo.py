@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.cli import main, parse_size
+from kvoffload._cli import main, parse_size
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,7 +93,7 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(tmp_path: Path) -> No
     import sys
     import time
 
-    code = "import sys; from kvoffload.cli import main; sys.exit(main())"
+    code = "import sys; from kvoffload._cli import main; sys.exit(main())"
     argv = ["demo", "--requests", "5000", "--conversations", "2000", "--shared-pool", "--no-progress"]
     proc = subprocess.Popen(
         [sys.executable, "-c", code, *argv],

@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvoffload.events import KVEventSubscriber
+from kvoffload._events import KVEventSubscriber
 
 
 def _free_port() -> int:
@@ -46,7 +46,7 @@ def _table_value(out: str, row: str) -> str:
 def test_demo_serves_metrics_explains_misses_and_publishes_events() -> None:
     endpoint = f"tcp://127.0.0.1:{_free_port()}"
     sub = KVEventSubscriber(endpoint)  # ZMQ connects as soon as the demo binds
-    code = "import sys; from kvoffload.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from kvoffload._cli import main; sys.exit(main(sys.argv[1:]))"
     args = ["demo", "--requests", "8", "--conversations", "2", "--no-progress", "--metrics-port", "0"]
     args += ["--metrics-linger", "120", "--explain-misses", "--kv-events", endpoint]
     proc = subprocess.Popen(
@@ -118,7 +118,7 @@ def test_demo_serves_metrics_explains_misses_and_publishes_events() -> None:
 
 
 def test_observability_option_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvoffload.cli import main
+    from kvoffload._cli import main
 
     assert main(["demo", "--no-progress", "--metrics-port", "0", "--metrics-linger", "-1"]) == 2
     assert "--metrics-linger=-1" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from kvoffload import (
     WorkerReport,
     wire,
 )
-from kvoffload.events import DEFAULT_TOPIC, KVEventPublisher, KVEventSubscriber
+from kvoffload._events import DEFAULT_TOPIC, KVEventPublisher, KVEventSubscriber
 from kvoffload.offload.manager import HostBlockManager
 from kvoffload.offload.scheduler import OffloadScheduler
 from tests.helpers import chained_hashes as _hashes

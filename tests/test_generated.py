@@ -17,7 +17,7 @@ from codegen.loader import Field
 from codegen.typeref import TypeRef
 from kvoffload import ArgumentTypeError, ConfigError, codecs
 from kvoffload._generated import types as gen
-from kvoffload.packed import Int32Array, Int64Array, pack_int32, pack_int64
+from kvoffload._packed import Int32Array, Int64Array, pack_int32, pack_int64
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA: Schema = load_schema(ROOT / "schema" / "kvoffload.toml")

@@ -29,7 +29,7 @@ from kvoffload import (
     _ints,
 )
 from kvoffload import _page_math as L
-from kvoffload.translate import offloading_group_ids
+from kvoffload._translate import offloading_group_ids
 from tests.helpers import flatten_for_scheduler
 
 # ------------------------------------------------------------------------------------------------------------

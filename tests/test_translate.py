@@ -43,8 +43,8 @@ from kvoffload import (
     codecs,
 )
 from kvoffload._explain import Explanation, describe_error
-from kvoffload.snapshot import load_snapshot
-from kvoffload.translate import (
+from kvoffload._snapshot import load_snapshot
+from kvoffload._translate import (
     build_offloading_config,
     explain_offloading_config,
     explain_snapshot,
@@ -788,7 +788,7 @@ def _snapshot_dict() -> dict[str, Any]:
 def test_load_snapshot_json_and_toml(tmp_path: Path) -> None:
     import tomllib
 
-    from kvoffload.cli import to_toml
+    from kvoffload._cli import to_toml
 
     doc = _snapshot_dict()
     json_file = tmp_path / "s.json"

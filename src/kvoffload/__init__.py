@@ -62,6 +62,18 @@ from ._generated import (
     WorkerReport,
     codecs,
 )
+from ._packed import (
+    Int32Array,
+    Int32Bytes,
+    Int64Array,
+    Int64Bytes,
+    pack_int32,
+    pack_int64,
+    unpack_int32,
+    unpack_int64,
+)
+from ._snapshot import load_snapshot
+from ._translate import build_offloading_config, explain_offloading_config, translate_snapshot
 from .errors import (
     ArgumentTypeError,
     ConfigError,
@@ -84,27 +96,15 @@ from .offload.misses import ChunkMiss
 from .offload.policy import register_policy
 from .offload.scheduler import OffloadScheduler
 from .offload.scheduler_results import ReportOutcome, SchedulerStats
-from .packed import (
-    Int32Array,
-    Int32Bytes,
-    Int64Array,
-    Int64Bytes,
-    pack_int32,
-    pack_int64,
-    unpack_int32,
-    unpack_int64,
-)
-from .snapshot import load_snapshot
-from .translate import build_offloading_config, explain_offloading_config, translate_snapshot
 
 if _TYPE_CHECKING:
-    from .events import KVEventPublisher, KVEventSubscriber
+    from ._events import KVEventPublisher, KVEventSubscriber
+    from ._runnable import validate_runnable
     from .metrics import MetricsSnapshot, SchedulerMetrics, WorkerMetrics
     from .offload.copy import CopyEngine, TransferLayout, transfer_layout_from_config
     from .offload.host_pool import HostPool
     from .offload.pool_plan import HostPoolPlan, plan_host_pool, plan_host_pool_from_config
     from .offload.worker import OffloadWorker
-    from .runnable import validate_runnable
     from .runtime.cluster import WorkerCluster
     from .runtime.hooks import WorkerContext, WorkerHook
 
@@ -120,10 +120,10 @@ _LAZY = {
     "WorkerCluster": "kvoffload.runtime.cluster",
     "WorkerContext": "kvoffload.runtime.hooks",
     "WorkerHook": "kvoffload.runtime.hooks",
-    "validate_runnable": "kvoffload.runnable",
+    "validate_runnable": "kvoffload._runnable",
     # observability: prometheus_client and pyzmq load on first use (a worker picks its metrics mode at import)
-    "KVEventPublisher": "kvoffload.events",
-    "KVEventSubscriber": "kvoffload.events",
+    "KVEventPublisher": "kvoffload._events",
+    "KVEventSubscriber": "kvoffload._events",
     "MetricsSnapshot": "kvoffload.metrics",
     "SchedulerMetrics": "kvoffload.metrics",
     "WorkerMetrics": "kvoffload.metrics",

@@ -44,8 +44,8 @@ from ._generated.types import (
     PeerRole,
 )
 from ._ints import check_int
+from ._packed import Buffer
 from .errors import ArgumentTypeError, ConfigError, SchemaMismatchError, WireError
-from .packed import Buffer
 
 __all__ = [
     "DEFAULT_ENGINE_ID",

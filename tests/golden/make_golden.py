@@ -34,7 +34,7 @@ from kvoffload import (
 )
 from kvoffload._generated import Heartbeat, TierJob, TierJobResult, WorkerFailure
 from kvoffload._generated.types import Message
-from kvoffload.packed import pack_int32, pack_int64
+from kvoffload._packed import pack_int32, pack_int64
 
 HERE = Path(__file__).resolve().parent
 

@@ -110,7 +110,7 @@ def test_live_snapshot_translates_to_the_connectors_plan(connector_run: tuple[di
     _, out = connector_run
     snapshot_file = out / "snapshot.json"
     cli = subprocess.run(
-        [sys.executable, "-m", "kvoffload.cli", "translate", str(snapshot_file)],
+        [sys.executable, "-m", "kvoffload._cli", "translate", str(snapshot_file)],
         capture_output=True,
         text=True,
         timeout=120,

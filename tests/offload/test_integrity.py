@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload import JobResult
+from kvoffload._packed import unpack_int64
 from kvoffload.offload.copy import (
     CopyEngine,
     TransferLayout,
@@ -24,7 +25,6 @@ from kvoffload.offload.copy import (
 from kvoffload.offload.host_pool import HostPool
 from kvoffload.offload.integrity import SEALED, TAGGED, key_tag
 from kvoffload.offload.pool_plan import HostPoolPlan, plan_host_pool
-from kvoffload.packed import unpack_int64
 from tests.helpers import Placement
 
 PAGE = 64

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from kvoffload import BlockRemoved, ConfigError, InvalidStateError, JobResult, MissReason, WorkerReport
+from kvoffload._packed import pack_int64, unpack_int64
 from kvoffload.offload.keys import make_offload_key
 from kvoffload.offload.manager import HostBlockManager
 from kvoffload.offload.scheduler import OffloadScheduler
-from kvoffload.packed import pack_int64, unpack_int64
 from tests.helpers import chained_hashes as hashes
 from tests.helpers import offloading_config
 

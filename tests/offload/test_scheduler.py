@@ -17,11 +17,11 @@ from kvoffload import (
     TransferJob,
     WorkerReport,
 )
+from kvoffload._packed import unpack_int32, unpack_int64
 from kvoffload.offload.keys import make_offload_key
 from kvoffload.offload.manager import HostBlockManager
 from kvoffload.offload.manager_results import LookupResult
 from kvoffload.offload.scheduler import OffloadScheduler
-from kvoffload.packed import unpack_int32, unpack_int64
 from tests.helpers import offloading_config
 
 TPH = 16

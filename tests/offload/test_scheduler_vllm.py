@@ -15,6 +15,7 @@ from typing import cast
 import pytest
 
 from kvoffload import JobResult, StepPlan, WorkerReport
+from kvoffload._packed import unpack_int32, unpack_int64
 from kvoffload.errors import ConfigError
 from kvoffload.offload.keys import make_offload_key
 from kvoffload.offload.lookup import maximal_prefix_lookup, sliding_window_lookup
@@ -22,7 +23,6 @@ from kvoffload.offload.manager import HostBlockManager
 from kvoffload.offload.manager_results import LookupResult
 from kvoffload.offload.policy import make_policy
 from kvoffload.offload.scheduler import OffloadScheduler
-from kvoffload.packed import unpack_int32, unpack_int64
 from tests.helpers import offloading_config
 
 H = LookupResult.HIT

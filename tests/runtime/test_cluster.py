@@ -23,6 +23,8 @@ from kvoffload import (
     WireError,
     WorkerError,
 )
+from kvoffload._packed import pack_int64
+from kvoffload._translate import translate_snapshot
 from kvoffload.demo import DemoOptions, default_snapshot, run_demo, snapshot_with_overrides
 from kvoffload.demo.worker_hook import HOOK
 from kvoffload.offload.host_pool import HostPool
@@ -31,10 +33,8 @@ from kvoffload.offload.manager_results import LookupResult
 from kvoffload.offload.pool_files import available_host_memory_bytes, check_pools_fit, owned_pool_id, sweep_stale_pools
 from kvoffload.offload.pool_plan import plan_host_pool, plan_host_pool_from_config
 from kvoffload.offload.scheduler import OffloadScheduler
-from kvoffload.packed import pack_int64
 from kvoffload.runtime.channel import Channel
 from kvoffload.runtime.cluster import WorkerCluster
-from kvoffload.translate import translate_snapshot
 from tests.helpers import transfer_job
 
 pytestmark = pytest.mark.slow

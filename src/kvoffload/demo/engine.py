@@ -13,22 +13,22 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from .._generated import EngineSnapshot, OffloadingConfig, StepPlan
+from .._packed import Int32Array, Int64Array
+from .._translate import translate_snapshot
 from ..errors import ConfigError
 from ..offload.keys import hash_token_blocks
 from ..offload.manager import HostBlockManager
 from ..offload.pool_plan import plan_host_pool_from_config
 from ..offload.scheduler import OffloadScheduler
-from ..packed import Int32Array, Int64Array
 from ..runtime.cluster import WorkerCluster
 from ..tiers.cascade import TieredScheduler
-from ..translate import translate_snapshot
 from .report import DemoResult
 from .sim_engine import block_seed
 from .worker_hook import step_attachments, step_stats
 from .workload import BlockPool, DemoOptions, Request, Workload
 
 if TYPE_CHECKING:
-    from ..events import KVEventPublisher
+    from .._events import KVEventPublisher
     from ..metrics import SchedulerMetrics
 
 __all__ = ["DemoEngine"]

@@ -13,20 +13,20 @@ import time
 from typing import TYPE_CHECKING
 
 from .._generated import EngineSnapshot, OffloadingConfig
+from .._translate import translate_snapshot
 from ..errors import DeadlineError, HostMemoryError
 from ..offload.pool_files import available_host_memory_bytes
 from ..offload.pool_plan import plan_host_pool_from_config
 from ..runtime.cluster import WorkerCluster
 from ..tiers.cascade import TieredScheduler, start_embedded_servers
 from ..tiers.valkey import EmbeddedValkey
-from ..translate import translate_snapshot
 from .engine import DemoEngine
 from .report import DemoResult
 from .worker_hook import HOOK, memcpy_gbps_of
 from .workload import DEFAULT_OPTIONS, DemoOptions, check_workload_fits
 
 if TYPE_CHECKING:
-    from ..events import KVEventPublisher
+    from .._events import KVEventPublisher
     from ..metrics import SchedulerMetrics
 
 __all__ = ["MEMORY_SHARE", "demo_memory_bytes", "run_demo"]

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import msgspec
 
 from .._generated import EngineSnapshot, KVCacheTensor, OffloadingConfig
+from .._translate import translate_snapshot
 from ..errors import ConfigError, HostMemoryError
 from ..offload.pool_files import available_host_memory_bytes
 from ..offload.pool_plan import plan_host_pool_from_config
-from ..translate import translate_snapshot
 from .runner import MEMORY_SHARE, demo_memory_bytes
 from .snapshots import snapshot_with_overrides
 from .workload import DEFAULT_OPTIONS, DemoOptions, longest_conversation_tokens

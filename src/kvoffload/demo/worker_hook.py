@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from .._generated import StepPlan, WorkerReport
+from .._packed import Int64Array
 from ..errors import ConfigError, WireError
-from ..packed import Int64Array
 from ..runtime.hooks import WorkerContext
 from .sim_engine import fill_blocks, verify_blocks
 

@@ -9,7 +9,7 @@ from .._generated import (
     MissReason,
     WorkerReport,
 )
-from ..packed import Int64Array
+from .._packed import Int64Array
 from .scheduler_results import ReportOutcome
 from .scheduler_state import JobState, SchedulerState
 

@@ -9,8 +9,8 @@ from .._generated import (
     StepPlan,
     TransferJob,
 )
+from .._packed import pack_int32, pack_int64
 from ..errors import ConfigError, InvalidStateError
-from ..packed import pack_int32, pack_int64
 from .integrity import key_tags
 from .keys import OffloadKey
 from .scheduler_state import RequestState, SchedulerState

@@ -12,8 +12,8 @@ import time
 from typing import TYPE_CHECKING
 
 from .._generated import JobResult, StepPlan, TransferJob, WorkerReport
+from .._packed import Int32Array, Int64Array
 from ..errors import KVOffloadError
-from ..packed import Int32Array, Int64Array
 from .copy import CopyEngine
 
 if TYPE_CHECKING:

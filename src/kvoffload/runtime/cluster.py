@@ -40,10 +40,10 @@ from .._generated import (
     WorkerReport,
     codecs,
 )
+from .._runnable import validate_runnable
 from ..errors import ConfigError, WireError, WorkerError
 from ..offload.pool_files import check_pools_fit, owned_pool_id, shared_pool_path, sweep_stale_pools
 from ..offload.pool_plan import plan_host_pool_from_config
-from ..runnable import validate_runnable
 from .channel import Channel
 from .hooks import HookOptions, encode_hook_options, load_hook
 from .worker_process import WorkerSpec, rank_config, run_worker

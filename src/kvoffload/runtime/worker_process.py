@@ -45,12 +45,12 @@ from .._generated import (
     WorkerReport,
     codecs,
 )
+from .._translate import translate_snapshot
 from ..errors import ConfigError, WireError, WorkerError
 from ..offload.copy import CopyEngine, TransferLayout, transfer_layout_from_config
 from ..offload.host_pool import HostPool
 from ..offload.pool_plan import plan_host_pool_from_config
 from ..offload.worker import OffloadWorker
-from ..translate import translate_snapshot
 from .channel import Channel
 from .hooks import WorkerContext, WorkerHook, decode_hook_options, make_hook
 

@@ -44,12 +44,12 @@ from .._generated import (
     ValkeyTierConfig,
     WorkerReport,
 )
+from .._packed import Int32Array, pack_int64
 from ..errors import InvalidStateError
 from ..offload.keys import OffloadKey
 from ..offload.manager import HostBlockManager
 from ..offload.scheduler import OffloadScheduler
 from ..offload.scheduler_results import ReportOutcome
-from ..packed import Int32Array, pack_int64
 from .backpressure import EMABackpressureDetector, resolve_backpressure
 from .base import SecondaryTier
 from .config import open_tier

@@ -24,8 +24,8 @@ import struct
 
 import xxhash
 
+from .._packed import Buffer
 from ..errors import RecordError
-from ..packed import Buffer
 
 __all__ = [
     "FORMAT_VERSION",

@@ -13,10 +13,10 @@ from typing import cast
 import torch
 
 from .._generated import OffloadingConfig, TieringConfig, TierJob, TierJobResult, ValkeyTierConfig
+from .._packed import Int64Array, pack_int32
 from ..errors import ConfigError
 from ..offload.host_pool import HostPool
 from ..offload.integrity import BlockSlots, key_tags
-from ..packed import Int64Array, pack_int32
 from .base import SecondaryTier
 from .config import open_tier
 from .namespace import namespace_for

@@ -44,9 +44,9 @@ except ImportError:  # pragma: no cover - depends on the installed vLLM
     KVConnectorTransferResults = None
 
 from ..._generated import LoadMode
+from ..._translate import translate_snapshot
 from ...errors import ConfigError
 from ...offload.scheduler_results import SchedulerStats
-from ...translate import translate_snapshot
 from ._config import parse_connector_config, parse_tiering_config
 from ._messages import (
     KVOffloadConnectorMetadata,

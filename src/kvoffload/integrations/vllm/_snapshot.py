@@ -22,8 +22,8 @@ from ..._generated import (
     UniformTypeKVCacheSpecs,
 )
 from ..._ints import round_up
+from ..._translate import translate_snapshot
 from ...errors import ConfigError
-from ...translate import translate_snapshot
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

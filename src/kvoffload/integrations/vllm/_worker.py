@@ -17,12 +17,12 @@ from ..._generated import (
     StepPlan,
     TieringConfig,
 )
+from ..._packed import Int64Array
 from ...errors import ConfigError
 from ...offload.copy import CopyEngine, transfer_layout_from_config
 from ...offload.host_pool import HostPool
 from ...offload.pool_plan import plan_host_pool_from_config
 from ...offload.worker import OffloadWorker
-from ...packed import Int64Array
 from ...tiers.worker import TierWorker
 from ._messages import (
     KVOffloadConnectorMetadata,

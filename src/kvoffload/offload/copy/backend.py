@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvoffload._generated import JobResult
+from kvoffload._packed import pack_int64
 from kvoffload.offload.copy.runs import CopyRuns
 from kvoffload.offload.integrity import BlockSlots, IntegrityTable
-from kvoffload.packed import pack_int64
 
 __all__ = ["CopyBackend", "Direction", "Integrity", "corrupt_result", "done_result", "failed_result"]
 

@@ -39,10 +39,10 @@ from ._explain import describe_error
 from ._generated import SCHEMA_FINGERPRINT, SCHEMA_VERSION, codecs
 from ._generated.types import EngineSnapshot, OffloadingConfig
 from ._ints import check_int
+from ._runnable import validate_runnable
+from ._snapshot import DEFAULT_MAX_SNAPSHOT_BYTES, load_snapshot
+from ._translate import explain_snapshot
 from .errors import ConfigError, KVOffloadError
-from .runnable import validate_runnable
-from .snapshot import DEFAULT_MAX_SNAPSHOT_BYTES, load_snapshot
-from .translate import explain_snapshot
 
 __all__ = ["main"]
 
@@ -255,7 +255,7 @@ def _demo_observability(args: argparse.Namespace, stack: contextlib.ExitStack) -
         server = stack.enter_context(serve_metrics(registry, args.metrics_port))
         print(f"serving metrics at {server.url}", file=sys.stderr)
     if args.kv_events is not None:
-        from .events import KVEventPublisher
+        from ._events import KVEventPublisher
 
         kwargs["events"] = stack.enter_context(KVEventPublisher(args.kv_events, engine_id="kvoffload-demo"))
     return kwargs
