@@ -338,15 +338,16 @@ def test_run_validation_names_numbers(kwargs: dict[str, object], match: str) -> 
 
 
 @st.composite
-def jobs(draw: st.DrawFn) -> tuple[Engine, TransferLayout, dict[str, list[int]], int, int]:
+def jobs(draw: st.DrawFn, unit: int = 1) -> tuple[Engine, TransferLayout, dict[str, list[int]], int, int]:
+    """A random layout and job; every page size and slot padding is a multiple of ``unit`` bytes."""
     num_layers = draw(st.integers(1, 4))
-    pages = draw(st.lists(st.integers(1, 40), min_size=num_layers, max_size=num_layers))
+    pages = [unit * p for p in draw(st.lists(st.integers(1, 40), min_size=num_layers, max_size=num_layers))]
     split = draw(st.integers(1, num_layers))
     named = [(f"l{i}", p) for i, p in enumerate(pages)]
     groups = [g for g in (named[:split], named[split:]) if g]
     num_blocks = draw(st.integers(1, 12))
     engine = draw(st.sampled_from([layer_major, block_major]))(groups, num_blocks)
-    layout = make_layout(engine, wkb=max(sum(p for _, p in g) for g in groups) + draw(st.integers(0, 8)))
+    layout = make_layout(engine, wkb=max(sum(p for _, p in g) for g in groups) + unit * draw(st.integers(0, 8)))
     bpc = draw(st.integers(1, 4))
     sizes = draw(st.lists(st.integers(0, num_blocks), min_size=len(groups), max_size=len(groups)))
     if sum(sizes) > num_blocks:

@@ -9,12 +9,13 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.offload.copy import CopyEngine, CopySegment, GroupLayout, build_copy_runs, cpu, views
+from kvoffload.offload.copy import CopyEngine, CopySegment, GroupLayout, TransferLayout, build_copy_runs, cpu, views
 from kvoffload.offload.copy.views import BlockViews, _group_pieces
 from kvoffload.offload.host_pool import HostPool
 from kvoffload.offload.integrity import SEALED
 from tests.offload.test_copy_engine import (
-    block_major,
+    Engine,
+    jobs,
     layer_major,
     make_layout,
     make_pool,
@@ -52,50 +53,21 @@ def test_unaligned_or_too_long_pages_take_the_run_path() -> None:
     assert _group_pieces(_group((0, too_long, too_long, 0))) is None
 
 
-@st.composite
-def _aligned_jobs(draw: st.DrawFn) -> tuple[object, ...]:
-    """Random layouts and jobs whose pages, strides and host slots are all multiples of 8 bytes."""
-    num_layers = draw(st.integers(1, 4))
-    pages = [8 * p for p in draw(st.lists(st.integers(1, 12), min_size=num_layers, max_size=num_layers))]
-    split = draw(st.integers(1, num_layers))
-    named = [(f"l{i}", p) for i, p in enumerate(pages)]
-    groups = [g for g in (named[:split], named[split:]) if g]
-    num_blocks = draw(st.integers(1, 10))
-    engine = draw(st.sampled_from([layer_major, block_major]))(groups, num_blocks)
-    layout = make_layout(engine, wkb=max(sum(p for _, p in g) for g in groups) + 8 * draw(st.integers(0, 2)))
-    bpc = draw(st.integers(1, 3))
-    sizes = draw(st.lists(st.integers(0, num_blocks), min_size=len(groups), max_size=len(groups)))
-    if sum(sizes) > num_blocks:
-        sizes = [0] * (len(sizes) - 1) + [num_blocks]
-    indices = draw(st.lists(st.integers(0, 5), min_size=len(groups), max_size=len(groups)))
-    chunk_count = sum(-(-(n + b % bpc) // bpc) for n, b in zip(sizes, indices, strict=True) if n)
-    num_chunks = chunk_count + draw(st.integers(0, 2))
-    block_ids = draw(st.permutations(range(num_blocks)))[: sum(sizes)]
-    chunk_ids = draw(st.permutations(range(num_chunks)))[:chunk_count]
-    pad = 8 * draw(st.integers(0, 2))
-    job = {"group_sizes": sizes, "block_indices": indices, "block_ids": block_ids, "chunk_ids": chunk_ids}
-    return engine, layout, job, bpc, num_chunks, pad, draw(st.integers(1, 3))
-
-
 @settings(max_examples=150, deadline=None)
-@given(_aligned_jobs())
-def test_views_move_exactly_the_reference_bytes(case: tuple[object, ...]) -> None:
-    engine, layout, spec, bpc, num_chunks, pad, step = case
-    assert isinstance(spec, dict) and isinstance(bpc, int) and isinstance(num_chunks, int)
-    assert isinstance(pad, int) and isinstance(step, int)
-    row = layout.worker_kv_bytes_per_block * bpc + pad  # type: ignore[attr-defined]
+@given(jobs(unit=8), st.integers(0, 2), st.integers(1, 3))
+def test_views_move_exactly_the_reference_bytes(
+    case: tuple[Engine, TransferLayout, dict[str, list[int]], int, int], pad_words: int, step: int
+) -> None:
+    engine, layout, spec, bpc, num_chunks = case
+    pad = 8 * pad_words
+    row = layout.worker_kv_bytes_per_block * bpc + pad
     runs = build_copy_runs(
-        layout,  # type: ignore[arg-type]
-        blocks_per_chunk=bpc,
-        num_chunks=num_chunks,
-        host_row_bytes=row,
-        host_slot_offset=pad,
-        **spec,
+        layout, blocks_per_chunk=bpc, num_chunks=num_chunks, host_row_bytes=row, host_slot_offset=pad, **spec
     )
-    expected = reference_pages(layout, **spec, bpc=bpc, row_bytes=row, slot_offset=pad)  # type: ignore[arg-type]
-    kv = random_bytes(engine.size, seed=2)  # type: ignore[attr-defined]
+    expected = reference_pages(layout, **spec, bpc=bpc, row_bytes=row, slot_offset=pad)
+    kv = random_bytes(engine.size, seed=2)
     host = torch.full((num_chunks * row,), 0xCD, dtype=torch.uint8)
-    block_views = BlockViews(kv, host, layout)  # type: ignore[arg-type]
+    block_views = BlockViews(kv, host, layout)
     blocks = runs.blocks
     if blocks is None:  # a job without pages
         assert not expected
@@ -111,7 +83,7 @@ def test_views_move_exactly_the_reference_bytes(case: tuple[object, ...]) -> Non
     want_kv = back.clone()
     for e, h, n in expected:
         want_kv[e : e + n] = want_host[h : h + n]
-    load_views = BlockViews(back, host, layout)  # type: ignore[arg-type]
+    load_views = BlockViews(back, host, layout)
     job = load_views.job(blocks, False)
     cpu._copy_views(job, 0, len(job.ends), step, memoryview(host.numpy()), None, [])
     assert torch.equal(back, want_kv)
