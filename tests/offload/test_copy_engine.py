@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -522,11 +523,52 @@ def test_ids_accept_tensors_lists_and_arrays(
             [1, 2, 3],
             torch.tensor([1, 2, 3], dtype=torch.int32),
             array.array("q", [1, 2, 3]),
+            (1, 2, 3),
+            np.array([1, 2, 3], dtype=np.int32),
+            np.array([1, 2, 3], dtype=np.uint16),
         ]
         for job_id, ids in enumerate(forms):
             mover.submit_store(job_id, group_sizes=[3, 0], block_indices=[0, 0], block_ids=ids, chunk_ids=[4])
-        mover.wait(range(3))
-        assert [(r.job_id, r.success, r.num_bytes) for r in mover.poll()] == [(i, True, 3 * 128) for i in range(3)]
+            assert runs_as_triples(
+                mover.plan_runs(group_sizes=[3, 0], block_indices=[0, 0], block_ids=ids, chunk_ids=[4])
+            ) == runs_as_triples(
+                mover.plan_runs(group_sizes=[3, 0], block_indices=[0, 0], block_ids=[1, 2, 3], chunk_ids=[4])
+            )
+        mover.wait(range(len(forms)))
+        assert [(r.job_id, r.success, r.num_bytes) for r in mover.poll()] == [
+            (i, True, 3 * 128) for i in range(len(forms))
+        ]
+
+
+def test_ids_beyond_int64_are_rejected(mixed: tuple[Engine, TransferLayout, HostPool, torch.Tensor]) -> None:
+    _, layout, pool, kv = mixed
+    with CopyEngine(kv, layout, pool) as mover, pytest.raises(ConfigError, match="chunk_ids"):
+        mover.submit_store(
+            1,
+            group_sizes=[1, 0],
+            block_indices=[0, 0],
+            block_ids=[1],
+            chunk_ids=np.array([1 << 63], dtype=np.uint64),
+        )
+
+
+def test_job_ids_are_taken_at_submit(mixed: tuple[Engine, TransferLayout, HostPool, torch.Tensor]) -> None:
+    """Overwriting the caller's id tensors right after submit changes nothing about the job."""
+    _, layout, pool, kv = mixed
+    original = kv.clone()
+    pool.rows.fill_(0)
+    blocks = torch.tensor([5, 6, 7, 8, 9], dtype=torch.int64)
+    chunks = torch.tensor([2, 3], dtype=torch.int64)
+    with CopyEngine(kv, layout, pool, checksums=False) as mover:
+        mover.submit_store(1, group_sizes=[5, 0], block_indices=[0, 0], block_ids=blocks, chunk_ids=chunks)
+        blocks.fill_(0)
+        chunks.fill_(0)
+        mover.wait([1])
+        assert [r.success for r in mover.poll()] == [True]
+    host = pool.rows.reshape(-1)
+    pages = reference_pages(layout, [5, 0], [0, 0], [5, 6, 7, 8, 9], [2, 3], 3, pool.row_bytes)
+    for e, h, n in pages:
+        assert torch.equal(host[h : h + n], original[e : e + n])
 
 
 def test_completion_is_fifo_per_direction_with_bytes(

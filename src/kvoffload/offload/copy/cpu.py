@@ -36,7 +36,7 @@ _PIECE_BYTES = 4 << 20
 _PARALLEL_MIN_BYTES = 2 << 20
 """Jobs smaller than this run on the direction's thread alone (waking helpers costs more)."""
 
-_HASH_BYTES = 256 << 10
+_HASH_BYTES = 512 << 10
 """With checksums, runs are copied and slots hashed in stretches of at most this size (stays in L2)."""
 
 _VIEW_STRETCH_BYTES = 512 << 10

@@ -55,7 +55,7 @@ def _indexed_transfer(
     counts = (length // size).to(device, non_blocking=True)
     index = _element_index(starts, counts, total // size)
     staging = torch.empty(total, dtype=torch.uint8, device=device)
-    (stretch_host,), stretch_len = merge_runs((host,), length)
+    (stretch_host,), stretch_len = merge_runs((host.numpy(),), length.numpy())
     stretch_stage = stretch_len.cumsum(0) - stretch_len
     stretches = zip(stretch_host.tolist(), stretch_stage.tolist(), stretch_len.tolist(), strict=True)
     if is_store:

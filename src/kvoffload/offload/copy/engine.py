@@ -163,11 +163,12 @@ class CopyEngine:
         )
         if len(runs):
             # Guards the raw-pointer copies against a hand-built layout that does not fit the memory.
+            lengths = runs.lengths.numpy()
             for side, offsets, limit in (
-                ("engine", runs.engine_offsets, self._kv_bytes),
-                ("host", runs.host_offsets, self._host_bytes),
+                ("engine", runs.engine_offsets.numpy(), self._kv_bytes),
+                ("host", runs.host_offsets.numpy(), self._host_bytes),
             ):
-                low, high = int(offsets.min()), int((offsets + runs.lengths).max())
+                low, high = int(offsets.min()), int((offsets + lengths).max())
                 if low < 0 or high > limit:
                     raise ConfigError(f"job {job_id}: runs reach {side} bytes [{low}, {high}) outside [0, {limit})")
         slots: BlockSlots | None = None

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
 
 from kvoffload._ints import check_int
 from kvoffload.errors import ConfigError
@@ -78,6 +81,13 @@ class GroupLayout:
     layers: tuple[LayerPlacement, ...]
     segments: tuple[CopySegment, ...]
     bytes_per_block: int
+
+    @cached_property
+    def segment_table(self) -> np.ndarray:
+        """The segments as an int64 ``(n, 4)`` array of ``(engine_offset, block_stride, length, host_offset)``
+        (built once: job planning does array math on it)."""
+        rows = [(s.engine_offset, s.block_stride, s.length, s.host_offset) for s in self.segments]
+        return np.array(rows, dtype=np.int64).reshape(-1, 4)
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from kvoffload.offload.integrity import BlockSlots, IntegrityTable
 
 __all__ = ["CopyRuns", "IdsLike", "JobBlocks", "build_block_slots", "build_copy_runs"]
 
-IdsLike = Sequence[int] | torch.Tensor
-"""Block or chunk ids: a sequence of ints or a 1-D integer tensor."""
+IdsLike = Sequence[int] | torch.Tensor | np.ndarray
+"""Block or chunk ids: a sequence of ints, a 1-D integer tensor or a 1-D integer numpy array."""
 
 
 @dataclass(frozen=True)
@@ -59,20 +59,33 @@ class CopyRuns:
         return int(self.lengths.numel())
 
 
-def _as_ids(ids: IdsLike, field: str) -> torch.Tensor:
+_INT_KINDS = frozenset("iu")
+
+
+def _as_ids(ids: IdsLike, field: str) -> np.ndarray:
+    """``ids`` as a 1-D int64 numpy array (a CPU int64 tensor's memory is shared, not copied)."""
+    if not isinstance(ids, torch.Tensor):
+        try:
+            array = np.asarray(ids)
+        except (TypeError, ValueError, OverflowError):
+            array = None
+        if array is not None and array.ndim == 1 and array.dtype.kind in _INT_KINDS and array.dtype != np.uint64:
+            return array.astype(np.int64, copy=False)
+        # anything else goes through torch's conversion, whose refusals name the problem
     try:
-        out = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids)
+        tensor = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise ConfigError(f"{field} must be a sequence of ints or an integer tensor: {exc}") from exc
-    if out.dim() != 1:
-        raise ConfigError(f"{field} must be one-dimensional, got shape {tuple(out.shape)}")
-    if out.numel() and out.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise ConfigError(f"{field} must hold integers, got dtype {out.dtype}")
-    return out.to(device="cpu", dtype=torch.int64)
+    if tensor.dim() != 1:
+        raise ConfigError(f"{field} must be one-dimensional, got shape {tuple(tensor.shape)}")
+    if tensor.numel() and tensor.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ConfigError(f"{field} must hold integers, got dtype {tensor.dtype}")
+    out: np.ndarray = tensor.to(device="cpu", dtype=torch.int64).numpy()
+    return out
 
 
-def _check_range(ids: torch.Tensor, field: str, limit: int, limit_name: str) -> None:
-    if ids.numel() == 0:
+def _check_range(ids: np.ndarray, field: str, limit: int, limit_name: str) -> None:
+    if ids.size == 0:
         return
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= limit:
@@ -119,19 +132,19 @@ def build_copy_runs(
     blocks = _as_ids(block_ids, "block_ids")
     chunks = _as_ids(chunk_ids, "chunk_ids")
     needed_blocks = sum(group_sizes)
-    if blocks.numel() != needed_blocks or chunks.numel() != needed_chunks:
+    if blocks.size != needed_blocks or chunks.size != needed_chunks:
         raise ConfigError(
             f"group_sizes={list(group_sizes)} with block_indices={list(block_indices)} and "
             f"blocks_per_chunk={bpc} consume {needed_blocks} block_ids and {needed_chunks} chunk_ids, "
-            f"but the job has {blocks.numel()} block_ids and {chunks.numel()} chunk_ids"
+            f"but the job has {blocks.size} block_ids and {chunks.size} chunk_ids"
         )
     _check_range(blocks, "block_ids", layout.num_blocks, "num_blocks")
     _check_range(chunks, "chunk_ids", num_chunks, "num_chunks")
 
     wkb = layout.worker_kv_bytes_per_block
-    engine_parts: list[torch.Tensor] = []
-    host_parts: list[torch.Tensor] = []
-    length_parts: list[torch.Tensor] = []
+    engine_parts: list[np.ndarray] = []
+    host_parts: list[np.ndarray] = []
+    length_parts: list[np.ndarray] = []
     block_parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     num_bytes = 0
     block_pos = chunk_pos = 0
@@ -148,35 +161,36 @@ def build_copy_runs(
         num_bytes += n * group.bytes_per_block
         chunk_of_block, sub_block = _block_positions(group_chunks, skip, n, bpc)
         host_block = chunk_of_block * host_row_bytes + sub_block * wkb + host_slot_offset
-        block_parts.append((np.full(n, g, dtype=np.int64), engine_blocks.numpy(), host_block.numpy()))
-        if not group.segments:
+        block_parts.append((np.full(n, g, dtype=np.int64), engine_blocks, host_block))
+        seg = group.segment_table
+        if not seg.size:
             continue
-        seg = torch.tensor(
-            [(s.engine_offset, s.block_stride, s.length, s.host_offset) for s in group.segments],
-            dtype=torch.int64,
-        )
         # Segment-major order: consecutive blocks of one segment sit next to each other, so runs of
         # consecutive engine blocks landing in consecutive sub-blocks coalesce.
         engine_parts.append((seg[:, 0:1] + seg[:, 1:2] * engine_blocks).reshape(-1))
         host_parts.append((seg[:, 3:4] + host_block).reshape(-1))
-        length_parts.append(seg[:, 2:3].expand(-1, n).reshape(-1))
+        length_parts.append(np.repeat(seg[:, 2], n))
     if not engine_parts:
         return CopyRuns.empty()
-    (engine, host), length = merge_runs((torch.cat(engine_parts), torch.cat(host_parts)), torch.cat(length_parts))
+    (engine, host), length = merge_runs(
+        (np.concatenate(engine_parts), np.concatenate(host_parts)), np.concatenate(length_parts)
+    )
     job_blocks = JobBlocks(
         groups=np.concatenate([p[0] for p in block_parts]),
         engine_blocks=np.concatenate([p[1] for p in block_parts]),
         host_blocks=np.concatenate([p[2] for p in block_parts]),
     )
-    return CopyRuns(engine, host, length, num_bytes, job_blocks)
+    return CopyRuns(torch.from_numpy(engine), torch.from_numpy(host), torch.from_numpy(length), num_bytes, job_blocks)
 
 
-def _block_positions(group_chunks: torch.Tensor, skip: int, n: int, bpc: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_positions(group_chunks: np.ndarray, skip: int, n: int, bpc: int) -> tuple[np.ndarray, np.ndarray]:
     """Host chunk id and sub-block of each of a group's ``n`` blocks entered at sub-block ``skip``.
 
     Block ``i`` lands in chunk ``(skip+i) // bpc`` of the group's chunks, at sub-block ``(skip+i) % bpc``.
     """
-    sub = torch.arange(skip, skip + n, dtype=torch.int64)
+    if bpc == 1:
+        return group_chunks, np.zeros(n, dtype=np.int64)
+    sub = np.arange(skip, skip + n, dtype=np.int64)
     return group_chunks[sub // bpc], sub % bpc
 
 
@@ -200,62 +214,58 @@ def build_block_slots(
     """
     bpc = blocks_per_chunk
     chunks = _as_ids(chunk_ids, "chunk_ids")
-    tags = torch.zeros_like(chunks) if chunk_tags is None else _as_ids(chunk_tags, "chunk_tags")
-    if tags.numel() == 0:
-        tags = torch.zeros_like(chunks)
-    if tags.numel() != chunks.numel():
-        raise ConfigError(f"chunk_tags has {tags.numel()} entries but the job has {chunks.numel()} chunk_ids")
+    tags = np.zeros_like(chunks) if chunk_tags is None else _as_ids(chunk_tags, "chunk_tags")
+    if tags.size == 0:
+        tags = np.zeros_like(chunks)
+    if tags.size != chunks.size:
+        raise ConfigError(f"chunk_tags has {tags.size} entries but the job has {chunks.size} chunk_ids")
     wkb = layout.worker_kv_bytes_per_block
-    chunk_parts: list[torch.Tensor] = []
-    sub_parts: list[torch.Tensor] = []
-    tag_parts: list[torch.Tensor] = []
-    length_parts: list[torch.Tensor] = []
+    chunk_parts: list[np.ndarray] = []
+    sub_parts: list[np.ndarray] = []
+    tag_parts: list[np.ndarray] = []
+    length_parts: list[np.ndarray] = []
     chunk_pos = 0
     for g, (n, b) in enumerate(zip(group_sizes, block_indices, strict=True)):
         if n == 0:
             continue
         skip = b % bpc
         count = cdiv(n + skip, bpc)
-        positions = torch.arange(chunk_pos, chunk_pos + count, dtype=torch.int64)
+        chunk_of_block, sub_block = _block_positions(chunks[chunk_pos : chunk_pos + count], skip, n, bpc)
+        tag_of_block, _ = _block_positions(tags[chunk_pos : chunk_pos + count], skip, n, bpc)
         chunk_pos += count
-        chunk_of_block, sub_block = _block_positions(chunks[positions], skip, n, bpc)
-        tag_of_block, _ = _block_positions(tags[positions], skip, n, bpc)
         chunk_parts.append(chunk_of_block)
         sub_parts.append(sub_block)
         tag_parts.append(tag_of_block)
-        length_parts.append(torch.full((n,), layout.groups[g].bytes_per_block, dtype=torch.int64))
+        length_parts.append(np.full(n, layout.groups[g].bytes_per_block, dtype=np.int64))
     if not chunk_parts:
         none = np.zeros(0, dtype=np.int64)
         return BlockSlots(none, none, [], [], none)
-    chunk_of = torch.cat(chunk_parts)
-    sub_of = torch.cat(sub_parts)
+    chunk_of = np.concatenate(chunk_parts)
+    sub_of = np.concatenate(sub_parts)
     host = chunk_of * host_row_bytes + sub_of * wkb + host_slot_offset
-    chunk_np = chunk_of.numpy()
     return BlockSlots(
-        entries=table.entry_index(chunk_np, sub_of.numpy()),
-        chunk_ids=chunk_np,
+        entries=table.entry_index(chunk_of, sub_of),
+        chunk_ids=chunk_of,
         host_offsets=host.tolist(),
-        lengths=torch.cat(length_parts).tolist(),
-        tags=torch.cat(tag_parts).numpy(),
+        lengths=np.concatenate(length_parts).tolist(),
+        tags=np.concatenate(tag_parts),
     )
 
 
-def merge_runs(
-    offsets: tuple[torch.Tensor, ...], length: torch.Tensor
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+def merge_runs(offsets: tuple[np.ndarray, ...], length: np.ndarray) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
     """Merge neighbouring runs whose every offset continues where the previous run ended."""
-    m = length.numel()
+    m = length.size
     if m <= 1:
         return offsets, length
-    joins = torch.ones(m - 1, dtype=torch.bool)
+    joins = np.ones(m - 1, dtype=bool)
     for off in offsets:
         joins &= off[1:] == off[:-1] + length[:-1]
-    if not bool(joins.any()):
+    if not joins.any():
         return offsets, length
-    starts = torch.ones(m, dtype=torch.bool)
+    starts = np.ones(m, dtype=bool)
     starts[1:] = ~joins
-    first = starts.nonzero().squeeze(1)
-    last = torch.cat([first[1:] - 1, torch.tensor([m - 1])])
-    total = length.cumsum(0)
+    first = np.flatnonzero(starts)
+    last = np.append(first[1:] - 1, m - 1)
+    total = np.cumsum(length)
     merged = total[last] - total[first] + length[first]
     return tuple(off[first] for off in offsets), merged
