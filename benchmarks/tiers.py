@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from kvoffload.tiers.base import TierBase
-from kvoffload.tiers.fs import FsTier
-from kvoffload.tiers.namespace import Namespace
-from kvoffload.tiers.valkey import EmbeddedValkey, ValkeyTier
+from kvoffload.tiers._base import TierBase
+from kvoffload.tiers._fs import FsTier
+from kvoffload.tiers._namespace import Namespace
+from kvoffload.tiers._valkey import EmbeddedValkey, ValkeyTier
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

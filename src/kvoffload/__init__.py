@@ -89,13 +89,13 @@ from .errors import (
     WireError,
     WorkerError,
 )
+from .offload._manager_results import LookupResult, ManagerStats, OffloadEvent, StorePlan
+from .offload._scheduler_results import ReportOutcome, SchedulerStats
 from .offload.keys import BlockHash, OffloadKey, hash_token_blocks, make_offload_key
 from .offload.manager import HostBlockManager
-from .offload.manager_results import LookupResult, ManagerStats, OffloadEvent, StorePlan
 from .offload.misses import ChunkMiss
 from .offload.policy import register_policy
 from .offload.scheduler import OffloadScheduler
-from .offload.scheduler_results import ReportOutcome, SchedulerStats
 
 if _TYPE_CHECKING:
     from ._events import KVEventPublisher, KVEventSubscriber

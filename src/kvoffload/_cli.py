@@ -191,7 +191,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     tiering = None
     if args.tier:
         from ._generated import TieringConfig
-        from .tiers.config import tier_from_cli
+        from .tiers._config import tier_from_cli
 
         tiering = TieringConfig(secondary_tiers=tuple(tier_from_cli(t) for t in args.tier))
     options = DemoOptions(

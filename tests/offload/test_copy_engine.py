@@ -26,9 +26,9 @@ from kvoffload.offload.copy import (
     TransferLayout,
     build_copy_runs,
     build_transfer_layout,
-    cpu,
-    cuda,
 )
+from kvoffload.offload.copy import _cpu as cpu
+from kvoffload.offload.copy import _cuda as cuda
 from kvoffload.offload.host_pool import HostPool
 from kvoffload.offload.pool_plan import plan_host_pool
 from tests.helpers import Placement, offloading_config

@@ -373,7 +373,7 @@ def test_a_store_invalidates_its_entries_until_its_copy_completes(
     import threading
 
     from kvoffload.offload import copy as kvcopy
-    from kvoffload.offload.copy import cpu
+    from kvoffload.offload.copy import _cpu as cpu
 
     mover, pool, _ = private
     tag = [key_tag(b"k")]

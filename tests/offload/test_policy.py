@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 import kvoffload.offload.policy as policy_module
 from kvoffload.errors import ConfigError
-from kvoffload.offload.arc_policy import ARCPolicy
-from kvoffload.offload.cache_policy import CachePolicy
-from kvoffload.offload.lru_policy import LRUPolicy
+from kvoffload.offload._arc_policy import ARCPolicy
+from kvoffload.offload._cache_policy import CachePolicy
+from kvoffload.offload._lru_policy import LRUPolicy
 from kvoffload.offload.policy import available_policies, make_policy, register_policy
 
 

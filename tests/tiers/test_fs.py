@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvoffload.tiers.base import SecondaryTier
-from kvoffload.tiers.fs import FsTier
-from kvoffload.tiers.namespace import Namespace
-from kvoffload.tiers.record import HEADER_SIZE
+from kvoffload.tiers._base import SecondaryTier
+from kvoffload.tiers._fs import FsTier
+from kvoffload.tiers._namespace import Namespace
+from kvoffload.tiers._record import HEADER_SIZE
 from tests.tiers import rows as rows_helpers
 from tests.tiers.rows import keys as _keys
 from tests.tiers.rows import store as _store
@@ -63,7 +63,7 @@ def test_a_new_process_serves_what_the_previous_one_stored(tmp_path: Path) -> No
     rows, keys = _rows(4, seed=3), _keys(4)
     script = (
         "import sys, torch\n"
-        "from kvoffload.tiers.fs import FsTier\n"
+        "from kvoffload.tiers._fs import FsTier\n"
         "from tests.tiers.test_fs import _ns, _rows, _keys, _store\n"
         "with FsTier(sys.argv[1], _ns()) as t:\n"
         "    assert _store(t, _keys(4), _rows(4, seed=3)) == ()\n"

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload.errors import RecordError, TierError
-from kvoffload.tiers.record import HEADER_SIZE, encode_header, parse_header, payload_checksum, verify_payload
+from kvoffload.tiers._record import HEADER_SIZE, encode_header, parse_header, payload_checksum, verify_payload
 
 
 def _record(key: bytes, payload: bytes) -> bytes:

@@ -25,9 +25,9 @@ from kvoffload.offload.keys import hash_token_blocks
 from kvoffload.offload.manager import HostBlockManager
 from kvoffload.offload.pool_plan import plan_host_pool_from_config
 from kvoffload.offload.worker import OffloadWorker
-from kvoffload.tiers.cascade import TieredScheduler, start_embedded_servers
-from kvoffload.tiers.config import tiering_config_from_extra
-from kvoffload.tiers.worker import TierWorker
+from kvoffload.tiers._cascade import TieredScheduler, start_embedded_servers
+from kvoffload.tiers._config import tiering_config_from_extra
+from kvoffload.tiers._worker import TierWorker
 from tests.tiers.conftest import server_url, stop_server
 
 CHUNK = 256 * 1024  # 4 layers x 64 KiB pages at TP 1

@@ -21,7 +21,7 @@ from ..offload.manager import HostBlockManager
 from ..offload.pool_plan import plan_host_pool_from_config
 from ..offload.scheduler import OffloadScheduler
 from ..runtime.cluster import WorkerCluster
-from ..tiers.cascade import TieredScheduler
+from ..tiers._cascade import TieredScheduler
 from .report import DemoResult
 from .sim_engine import block_seed
 from .worker_hook import step_attachments, step_stats

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..tiers.cascade import TierStatsRow
+from ..tiers._cascade import TierStatsRow
 
 __all__ = ["DemoResult", "render_misses", "render_result"]
 

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 from .._generated import EngineSnapshot, OffloadingConfig
 from .._translate import translate_snapshot
 from ..errors import DeadlineError, HostMemoryError
-from ..offload.pool_files import available_host_memory_bytes
+from ..offload._pool_files import available_host_memory_bytes
 from ..offload.pool_plan import plan_host_pool_from_config
 from ..runtime.cluster import WorkerCluster
-from ..tiers.cascade import TieredScheduler, start_embedded_servers
-from ..tiers.valkey import EmbeddedValkey
+from ..tiers._cascade import TieredScheduler, start_embedded_servers
+from ..tiers._valkey import EmbeddedValkey
 from .engine import DemoEngine
 from .report import DemoResult
 from .worker_hook import HOOK, memcpy_gbps_of

@@ -19,7 +19,7 @@ import msgspec
 from .._generated import EngineSnapshot, KVCacheTensor, OffloadingConfig
 from .._translate import translate_snapshot
 from ..errors import ConfigError, HostMemoryError
-from ..offload.pool_files import available_host_memory_bytes
+from ..offload._pool_files import available_host_memory_bytes
 from ..offload.pool_plan import plan_host_pool_from_config
 from .runner import MEMORY_SHARE, demo_memory_bytes
 from .snapshots import snapshot_with_overrides

@@ -20,8 +20,8 @@ import torch
 
 from kvoffload._ints import round_up
 from kvoffload.errors import ConfigError, HostMemoryError, InvalidStateError, WorkerError
+from kvoffload.offload._pool_files import available_host_memory_bytes, prefault, shared_pool_path
 from kvoffload.offload.integrity import IntegrityTable, table_entries
-from kvoffload.offload.pool_files import available_host_memory_bytes, prefault, shared_pool_path
 from kvoffload.offload.pool_plan import PAGE_SIZE, HostPoolPlan
 
 __all__ = ["HostPool"]

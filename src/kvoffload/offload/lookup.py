@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ._manager_results import LookupResult
 from .keys import OffloadKey
-from .manager_results import LookupResult
 
 __all__ = ["maximal_prefix_lookup", "sliding_window_lookup"]
 

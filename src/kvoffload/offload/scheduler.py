@@ -35,12 +35,12 @@ from .._generated import (
 )
 from .._ints import check_int, check_optional_int
 from ..errors import ConfigError, InvalidStateError
+from ._scheduler_lookup import SchedulerLookup
+from ._scheduler_reports import SchedulerReports
+from ._scheduler_results import SchedulerStats
+from ._scheduler_state import RequestState
+from ._scheduler_transfers import SchedulerTransfers
 from .keys import BlockHash, offload_key_group, offload_key_hash
-from .scheduler_lookup import SchedulerLookup
-from .scheduler_reports import SchedulerReports
-from .scheduler_results import SchedulerStats
-from .scheduler_state import RequestState
-from .scheduler_transfers import SchedulerTransfers
 
 __all__ = ["OffloadScheduler"]
 

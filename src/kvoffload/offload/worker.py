@@ -17,7 +17,7 @@ from ..errors import KVOffloadError
 from .copy import CopyEngine
 
 if TYPE_CHECKING:
-    from ..tiers.worker import TierWorker
+    from ..tiers._worker import TierWorker
 
 __all__ = ["OffloadWorker"]
 

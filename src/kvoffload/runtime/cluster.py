@@ -42,11 +42,11 @@ from .._generated import (
 )
 from .._runnable import validate_runnable
 from ..errors import ConfigError, WireError, WorkerError
-from ..offload.pool_files import check_pools_fit, owned_pool_id, shared_pool_path, sweep_stale_pools
+from ..offload._pool_files import check_pools_fit, owned_pool_id, shared_pool_path, sweep_stale_pools
 from ..offload.pool_plan import plan_host_pool_from_config
-from .channel import Channel
+from ._channel import Channel
+from ._worker_process import WorkerSpec, rank_config, run_worker
 from .hooks import HookOptions, encode_hook_options, load_hook
-from .worker_process import WorkerSpec, rank_config, run_worker
 
 __all__ = ["ClusterStep", "WorkerCluster"]
 

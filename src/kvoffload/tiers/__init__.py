@@ -2,7 +2,7 @@
 
 ``TieredScheduler`` (scheduler side) cascades stored chunks and promotes tier hits; ``TierWorker`` (one per
 rank) runs the tier jobs on the rank's host rows; ``FsTier`` and ``ValkeyTier`` are the built-in tiers, both
-on :class:`~kvoffload.tiers.base.TierBase`; the config types are generated from the schema (1.3).
+on :class:`~kvoffload.tiers.TierBase`; the config types are generated from the schema (1.3).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from .._generated import (
     TierJobResult,
     ValkeyTierConfig,
 )
-from .backpressure import BackpressureSettings, EMABackpressureDetector, resolve_backpressure
-from .base import SecondaryTier, TierBase, TierIOResult, TierStats
-from .cascade import TieredScheduler, TierStatsRow, start_embedded_servers
-from .config import open_tier, tier_from_cli, tiering_config_from_extra
-from .fs import FsTier
-from .namespace import Namespace, namespace_for, namespaces_for_all_ranks
-from .valkey import EmbeddedValkey, ValkeyTier
-from .worker import TierWorker
+from ._backpressure import BackpressureSettings, EMABackpressureDetector, resolve_backpressure
+from ._base import SecondaryTier, TierBase, TierIOResult, TierStats
+from ._cascade import TieredScheduler, TierStatsRow, start_embedded_servers
+from ._config import open_tier, tier_from_cli, tiering_config_from_extra
+from ._fs import FsTier
+from ._namespace import Namespace, namespace_for, namespaces_for_all_ranks
+from ._valkey import EmbeddedValkey, ValkeyTier
+from ._worker import TierWorker
 
 __all__ = [
     "BackpressureConfig",

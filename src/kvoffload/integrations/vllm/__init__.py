@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - depends on the installed vLLM
 from ..._generated import LoadMode
 from ..._translate import translate_snapshot
 from ...errors import ConfigError
-from ...offload.scheduler_results import SchedulerStats
+from ...offload._scheduler_results import SchedulerStats
 from ._config import parse_connector_config, parse_tiering_config
 from ._messages import (
     KVOffloadConnectorMetadata,

@@ -12,7 +12,7 @@ from ..._generated import (
     VLLMConnectorConfig,
 )
 from ...errors import ConfigError
-from ...tiers.config import tiering_config_from_extra
+from ...tiers._config import tiering_config_from_extra
 
 _UNSUPPORTED_KEYS = {
     "spec_module_path": "out-of-tree offloading specs are vLLM's; kvoffload's connector is its own spec",

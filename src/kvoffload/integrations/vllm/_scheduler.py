@@ -24,7 +24,7 @@ from ..._generated import (
 from ...offload.manager import HostBlockManager
 from ...offload.pool_plan import plan_host_pool_from_config
 from ...offload.scheduler import OffloadScheduler
-from ...tiers.cascade import TieredScheduler
+from ...tiers._cascade import TieredScheduler
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

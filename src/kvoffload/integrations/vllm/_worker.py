@@ -23,7 +23,7 @@ from ...offload.copy import CopyEngine, transfer_layout_from_config
 from ...offload.host_pool import HostPool
 from ...offload.pool_plan import plan_host_pool_from_config
 from ...offload.worker import OffloadWorker
-from ...tiers.worker import TierWorker
+from ...tiers._worker import TierWorker
 from ._messages import (
     KVOffloadConnectorMetadata,
     KVOffloadWorkerMetadata,

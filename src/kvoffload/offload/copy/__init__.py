@@ -1,17 +1,19 @@
 """Moves KV pages between the engine's KV memory and the host pool, asynchronously.
 
-* :mod:`.placement` - where each offloaded layer's page lives in engine memory and in the host per-block slot
+The names below are the surface (``__all__``); the modules behind them are private:
+
+* ``_placement`` - where each offloaded layer's page lives in engine memory and in the host per-block slot
   (:func:`build_transfer_layout`, :func:`transfer_layout_from_config`).
-* :mod:`.runs` - one job's coalesced byte runs (:func:`build_copy_runs`) and the sub-blocks it touches
+* ``_runs`` - one job's coalesced byte runs (:func:`build_copy_runs`) and the sub-blocks it touches
   (:func:`build_block_slots`, for the integrity table).
-* :mod:`.backend` / :mod:`.cpu` / :mod:`.cuda` - the :class:`CopyBackend` protocol and its CPU (threads) and
+* ``_backend`` / ``_cpu`` (with ``_views``) / ``_cuda`` - the :class:`CopyBackend` protocol and its CPU (threads) and
   CUDA (streams) implementations.
-* :mod:`.engine` - :class:`CopyEngine`, the facade a worker uses: validate, plan, submit, poll.
+* ``_engine`` - :class:`CopyEngine`, the facade a worker uses: validate, plan, submit, poll.
 """
 
-from kvoffload.offload.copy.backend import CopyBackend, Direction
-from kvoffload.offload.copy.engine import CopyEngine
-from kvoffload.offload.copy.placement import (
+from kvoffload.offload.copy._backend import CopyBackend, Direction
+from kvoffload.offload.copy._engine import CopyEngine
+from kvoffload.offload.copy._placement import (
     CopySegment,
     GroupLayout,
     KVCacheTensorLike,
@@ -20,7 +22,7 @@ from kvoffload.offload.copy.placement import (
     build_transfer_layout,
     transfer_layout_from_config,
 )
-from kvoffload.offload.copy.runs import CopyRuns, IdsLike, build_block_slots, build_copy_runs
+from kvoffload.offload.copy._runs import CopyRuns, IdsLike, build_block_slots, build_copy_runs
 
 __all__ = [
     "CopyBackend",

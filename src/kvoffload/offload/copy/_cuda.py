@@ -15,8 +15,8 @@ import torch
 
 from kvoffload._generated import JobResult
 from kvoffload.errors import TransferError
-from kvoffload.offload.copy.backend import Direction, Integrity, corrupt_result, done_result, failed_result
-from kvoffload.offload.copy.runs import CopyRuns, merge_runs
+from kvoffload.offload.copy._backend import Direction, Integrity, corrupt_result, done_result, failed_result
+from kvoffload.offload.copy._runs import CopyRuns, merge_runs
 from kvoffload.offload.integrity import BlockSlots
 
 __all__ = ["CudaBackend"]

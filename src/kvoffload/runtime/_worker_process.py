@@ -51,7 +51,7 @@ from ..offload.copy import CopyEngine, TransferLayout, transfer_layout_from_conf
 from ..offload.host_pool import HostPool
 from ..offload.pool_plan import plan_host_pool_from_config
 from ..offload.worker import OffloadWorker
-from .channel import Channel
+from ._channel import Channel
 from .hooks import WorkerContext, WorkerHook, decode_hook_options, make_hook
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ def _open_session(spec: WorkerSpec) -> _Session:
     try:
         engine = CopyEngine(kv, layout, pool, cpu_threads=spec.torch_threads, checksums=spec.checksums)
         if spec.tiering_json is not None:
-            from ..tiers.worker import TierWorker
+            from ..tiers._worker import TierWorker
 
             tiering = msgspec.json.decode(spec.tiering_json, type=TieringConfig)
             tiers = TierWorker(tiering, config, pool, checksums=spec.checksums)

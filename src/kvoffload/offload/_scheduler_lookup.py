@@ -6,10 +6,10 @@ from __future__ import annotations
 from .._generated import (
     MissReason,
 )
+from ._scheduler_state import RequestState, SchedulerState
 from .keys import OffloadKey
 from .lookup import maximal_prefix_lookup, sliding_window_lookup
 from .misses import ChunkMiss, GroupKeys, explain_lookup, primary_reason
-from .scheduler_state import RequestState, SchedulerState
 
 __all__ = ["SchedulerLookup"]
 

@@ -1,6 +1,6 @@
 """The CPU backend: one thread per direction copies each job, big jobs shared with helper threads.
 
-Small pages (up to 128 KB) are copied block by block through cached tensor views (:mod:`.views`), a stretch
+Small pages (up to 128 KB) are copied block by block through cached tensor views (:mod:`._views`), a stretch
 of blocks per GIL-free torch call; longer pages run by run with memmove. With content checksums on, every
 sub-block is hashed right after its bytes were copied, while they are in cache: a store hashes what it just
 wrote, a load the host bytes it just read.
@@ -22,10 +22,10 @@ import torch
 import xxhash
 
 from kvoffload._generated import JobResult
-from kvoffload.offload.copy.backend import Direction, Integrity, corrupt_result, done_result, failed_result
-from kvoffload.offload.copy.placement import TransferLayout
-from kvoffload.offload.copy.runs import CopyRuns
-from kvoffload.offload.copy.views import BlockViews, ViewJob
+from kvoffload.offload.copy._backend import Direction, Integrity, corrupt_result, done_result, failed_result
+from kvoffload.offload.copy._placement import TransferLayout
+from kvoffload.offload.copy._runs import CopyRuns
+from kvoffload.offload.copy._views import BlockViews, ViewJob
 from kvoffload.offload.integrity import BlockSlots
 
 __all__ = ["CpuBackend"]

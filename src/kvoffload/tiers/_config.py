@@ -23,8 +23,8 @@ from .._generated import (
     ValkeyTierConfig,
 )
 from ..errors import ConfigError
-from .base import SecondaryTier
-from .namespace import Namespace
+from ._base import SecondaryTier
+from ._namespace import Namespace
 
 __all__ = ["TIERING_KEYS", "open_tier", "tier_from_cli", "tiering_config_from_extra"]
 
@@ -90,7 +90,7 @@ def open_tier(
     evicts: the workers' instances own the records).
     """
     if isinstance(config, FsTierConfig):
-        from .fs import FsTier
+        from ._fs import FsTier
 
         return FsTier(
             config.root_dir,
@@ -103,7 +103,7 @@ def open_tier(
             scan=not lookups_only,
         )
     if isinstance(config, ValkeyTierConfig):
-        from .valkey import ValkeyTier
+        from ._valkey import ValkeyTier
 
         url = url_override or config.url
         if not url:

@@ -1,8 +1,8 @@
 """What a secondary tier is: batch stores and loads of records keyed by chunk key, asynchronous, with lookups.
 
-A tier instance serves ONE namespace (one model configuration and rank: see :mod:`kvoffload.tiers.namespace`). It
+A tier instance serves ONE namespace (one model configuration and rank: see :func:`kvoffload.tiers.namespace_for`). It
 never touches engine memory: it moves whole host chunk rows (this rank's slot of a host pool row) to and
-from its medium as :mod:`records <kvoffload.tiers.record>`. ``submit_store``/``submit_load`` return at once;
+from its medium as :mod:`records <kvoffload.tiers._record>`. ``submit_store``/``submit_load`` return at once;
 the work runs on the tier's own threads and finished jobs are collected with ``get_finished`` (vLLM's
 ``SecondaryTierManager`` shape), so tier IO never blocks an engine step.
 

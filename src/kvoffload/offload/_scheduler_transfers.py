@@ -11,9 +11,9 @@ from .._generated import (
 )
 from .._packed import pack_int32, pack_int64
 from ..errors import ConfigError, InvalidStateError
+from ._scheduler_state import RequestState, SchedulerState
 from .integrity import key_tags
 from .keys import OffloadKey
-from .scheduler_state import RequestState, SchedulerState
 
 __all__ = ["SchedulerTransfers"]
 

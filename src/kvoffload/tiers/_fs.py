@@ -16,7 +16,7 @@ itself (``os.pwritev``/``os.preadv`` straight from/into the row: no copy).
 Capacity: ``max_bytes`` caps the namespace directory; past it the least recently written or read records of
 this instance are deleted. A new instance on the same directory indexes the records already there (oldest
 modification first) and serves them: prefixes survive restarts. Disk full, a read-only or vanished directory
-mark the tier unavailable (:class:`~kvoffload.tiers.base.TierBase`): lookups miss and stores are dropped
+mark the tier unavailable (:class:`~kvoffload.tiers.TierBase`): lookups miss and stores are dropped
 until a later probe succeeds.
 """
 
@@ -34,9 +34,9 @@ from pathlib import Path
 
 from .._ints import check_int, check_optional_int, round_up
 from ..errors import ConfigError, RecordError, TierError
-from .base import TierBase
-from .namespace import Namespace
-from .record import HEADER_SIZE, encode_header, parse_header, payload_checksum, verify_payload
+from ._base import TierBase
+from ._namespace import Namespace
+from ._record import HEADER_SIZE, encode_header, parse_header, payload_checksum, verify_payload
 
 __all__ = ["FsTier"]
 

@@ -17,7 +17,7 @@ import torch
 
 from kvoffload._ints import cdiv, check_int
 from kvoffload.errors import ConfigError
-from kvoffload.offload.copy.placement import TransferLayout
+from kvoffload.offload.copy._placement import TransferLayout
 from kvoffload.offload.integrity import BlockSlots, IntegrityTable
 
 __all__ = ["CopyRuns", "IdsLike", "JobBlocks", "build_block_slots", "build_copy_runs"]

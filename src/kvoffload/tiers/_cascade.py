@@ -2,7 +2,7 @@
 
 Where the work runs, and why: kvoffload's host pool rows live in the worker processes (one ``HostPool`` per
 rank, or one shared ``/dev/shm`` region), so the tier IO runs in each worker on its own rows
-(:class:`~kvoffload.tiers.worker.TierWorker`), reading and writing its own namespace (rank-specific unless the
+(:class:`~kvoffload.tiers.TierWorker`), reading and writing its own namespace (rank-specific unless the
 offload is replicated). The scheduler decides (:class:`TieredScheduler`, this module); it ships the decisions as
 ``TierJob`` lists on the ``StepPlan`` and gets ``TierJobResult`` lists back on each ``WorkerReport``, like copy
 jobs. A tier chunk counts as present only when every rank's namespace has it. Lookups are metadata queries (a
@@ -46,15 +46,15 @@ from .._generated import (
 )
 from .._packed import Int32Array, pack_int64
 from ..errors import InvalidStateError
+from ..offload._scheduler_results import ReportOutcome
 from ..offload.keys import OffloadKey
 from ..offload.manager import HostBlockManager
 from ..offload.scheduler import OffloadScheduler
-from ..offload.scheduler_results import ReportOutcome
-from .backpressure import EMABackpressureDetector, resolve_backpressure
-from .base import SecondaryTier
-from .config import open_tier
-from .namespace import namespaces_for_all_ranks
-from .valkey import EmbeddedValkey
+from ._backpressure import EMABackpressureDetector, resolve_backpressure
+from ._base import SecondaryTier
+from ._config import open_tier
+from ._namespace import namespaces_for_all_ranks
+from ._valkey import EmbeddedValkey
 
 __all__ = ["TierStatsRow", "TieredScheduler", "start_embedded_servers"]
 

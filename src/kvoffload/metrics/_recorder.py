@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..errors import ConfigError
-from .samples import HistogramSample, MetricSample, MetricsSnapshot
+from ._samples import HistogramSample, MetricSample, MetricsSnapshot
 
 PREFIX = "kvoffload"
 """Prefix of every series name (``kvoffload_load_bytes``)."""

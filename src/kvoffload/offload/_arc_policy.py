@@ -10,7 +10,7 @@ from collections.abc import Collection, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import ClassVar
 
-from kvoffload.offload.cache_policy import CachePolicy, check_evict_count
+from kvoffload.offload._cache_policy import CachePolicy, check_evict_count
 from kvoffload.offload.keys import OffloadKey
 
 __all__ = ["ARCPolicy"]

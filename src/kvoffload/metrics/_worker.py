@@ -5,8 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from .._generated import WorkerReport
-from .recorder import _DEFAULT_MAX_SAMPLES, _check_tier, _Recorder
-from .samples import MetricsSnapshot
+from ._recorder import _DEFAULT_MAX_SAMPLES, _check_tier, _Recorder
+from ._samples import MetricsSnapshot
 
 __all__ = ["SIZE_BUCKETS", "TIME_BUCKETS", "WorkerMetrics"]
 

@@ -10,8 +10,8 @@ from .._generated import (
     WorkerReport,
 )
 from .._packed import Int64Array
-from .scheduler_results import ReportOutcome
-from .scheduler_state import JobState, SchedulerState
+from ._scheduler_results import ReportOutcome
+from ._scheduler_state import JobState, SchedulerState
 
 __all__ = ["SchedulerReports"]
 

@@ -32,9 +32,9 @@ import valkey.exceptions
 
 from .._ints import check_int
 from ..errors import ConfigError, RecordError, TierError
-from .base import TierBase
-from .namespace import Namespace
-from .record import HEADER_SIZE, encode_header, parse_header, payload_checksum, verify_payload
+from ._base import TierBase
+from ._namespace import Namespace
+from ._record import HEADER_SIZE, encode_header, parse_header, payload_checksum, verify_payload
 
 __all__ = ["EmbeddedValkey", "ValkeyTier"]
 

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 
 from .._generated import OffloadingConfig
-from .record import FORMAT_VERSION
+from ._record import FORMAT_VERSION
 
 __all__ = ["Namespace", "namespace_for", "namespaces_for_all_ranks"]
 

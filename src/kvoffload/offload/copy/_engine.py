@@ -8,11 +8,11 @@ import torch
 
 from kvoffload._generated import JobResult
 from kvoffload.errors import ConfigError, InvalidStateError, TransferError
-from kvoffload.offload.copy.backend import CopyBackend, Direction, Integrity
-from kvoffload.offload.copy.cpu import CpuBackend
-from kvoffload.offload.copy.cuda import CudaBackend
-from kvoffload.offload.copy.placement import TransferLayout
-from kvoffload.offload.copy.runs import CopyRuns, IdsLike, build_block_slots, build_copy_runs
+from kvoffload.offload.copy._backend import CopyBackend, Direction, Integrity
+from kvoffload.offload.copy._cpu import CpuBackend
+from kvoffload.offload.copy._cuda import CudaBackend
+from kvoffload.offload.copy._placement import TransferLayout
+from kvoffload.offload.copy._runs import CopyRuns, IdsLike, build_block_slots, build_copy_runs
 from kvoffload.offload.host_pool import HostPool
 from kvoffload.offload.integrity import BlockSlots
 

@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry
 
 from .._generated import MissReason
 from ..errors import ConfigError
-from .recorder import _DEFAULT_MAX_SAMPLES, _BoundCounter, _check_tier, _Recorder
-from .samples import MetricsSnapshot
+from ._recorder import _DEFAULT_MAX_SAMPLES, _BoundCounter, _check_tier, _Recorder
+from ._samples import MetricsSnapshot
 
 if TYPE_CHECKING:
     from ..offload.scheduler import OffloadScheduler

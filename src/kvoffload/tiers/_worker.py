@@ -1,6 +1,6 @@
 """The worker side of the tiers: each rank runs the StepPlan's tier jobs on its own host rows.
 
-The scheduler side (:class:`~kvoffload.tiers.cascade.TieredScheduler`) decides what to cascade and promote; a
+The scheduler side (:class:`~kvoffload.tiers.TieredScheduler`) decides what to cascade and promote; a
 :class:`TierWorker` per rank does the IO between that rank's host rows and its tier namespace, and reports
 each job back as a ``TierJobResult`` on the ``WorkerReport``.
 """
@@ -17,9 +17,9 @@ from .._packed import Int64Array, pack_int32
 from ..errors import ConfigError
 from ..offload.host_pool import HostPool
 from ..offload.integrity import BlockSlots, key_tags
-from .base import SecondaryTier
-from .config import open_tier
-from .namespace import namespace_for
+from ._base import SecondaryTier
+from ._config import open_tier
+from ._namespace import namespace_for
 
 __all__ = ["TierWorker"]
 
