@@ -4,8 +4,10 @@ For each page size (default 32 KB, 256 KB, 2 MB) the engine memory is laid out l
 layers, each ``(num_blocks, page)``, the default vLLM layout), a job moves about ``--total-mib`` MiB of
 randomly chosen engine blocks to/from randomly chosen host chunks, and each repeat times one plain
 ``copy_`` of the same total bytes right before the job (engine→host for stores, host→engine for loads).
-Every job runs twice, on two engines over the same pool: with integrity checksums (the default: stores
-hash what they wrote, loads verify before reporting) and with ``checksums=False`` (key tags only).
+Every job runs three times, on three engines over the same pool: with integrity checksums (the default: stores
+hash what they wrote, loads verify before reporting), with ``checksums=False`` (key tags only), and with
+checksums on the pure-Python CPU path (``native=False``: the copy loop before the native kernel, and what runs
+where it was not built).
 Reported: best-of-repeats GB/s of both, of the plain copy, their ratio, and the checksum cost: the extra
 time of the checksummed job over the unchecked one, as a share of the plain copy of the same bytes (goal:
 at most 40% on CPU). Runs on CUDA when available (engine memory on the GPU, pinned host pool), else on CPU.
@@ -23,7 +25,7 @@ from functools import partial
 import torch
 
 from kvoffload import KVCacheTensor
-from kvoffload.offload.copy import CopyEngine, build_transfer_layout
+from kvoffload.offload.copy import CopyEngine, _native, build_transfer_layout
 from kvoffload.offload.host_pool import HostPool
 from kvoffload.offload.pool_plan import plan_host_pool
 
@@ -74,8 +76,11 @@ def _job(
     engine.wait([job_id])
 
 
-def bench_page(page: int, args: argparse.Namespace, device: torch.device) -> list[tuple[str, float, float, float]]:
-    """Return ``(direction, checksummed GB/s, unchecked GB/s, copy_ GB/s)`` for one page size."""
+def bench_page(
+    page: int, args: argparse.Namespace, device: torch.device
+) -> list[tuple[str, float, float, float, float]]:
+    """Return ``(direction, checksummed GB/s, unchecked GB/s, checksummed GB/s of the pure-Python CPU path,
+    copy_ GB/s)`` for one page size."""
     layers, bpc = args.layers, args.blocks_per_chunk
     block_bytes = layers * page
     job_blocks = max(bpc, (args.total_mib << 20) // block_bytes // bpc * bpc)
@@ -94,7 +99,7 @@ def bench_page(page: int, args: argparse.Namespace, device: torch.device) -> lis
         worker_kv_bytes_per_block=block_bytes,
         world_size=1,
         blocks_per_chunk=bpc,
-        cpu_bytes_to_use=2 * job_blocks * block_bytes + (1 << 20),
+        cpu_bytes_to_use=3 * job_blocks * block_bytes + (1 << 20),
         replicated=False,
         rank=0,
     )
@@ -104,33 +109,32 @@ def bench_page(page: int, args: argparse.Namespace, device: torch.device) -> lis
     engine_side = torch.randint(0, 256, (total,), dtype=torch.uint8, device=device)
     host_side = torch.empty(total, dtype=torch.uint8, pin_memory=pool.is_pinned)
     host_side.fill_(1)
-    best = {(d, kind): float("inf") for d in ("store", "load") for kind in ("on", "off", "copy")}
+    best = {(d, kind): float("inf") for d in ("store", "load") for kind in ("on", "off", "py", "copy")}
     with (
         pool,
         CopyEngine(kv, layout, pool, cpu_threads=args.threads) as checked,
         CopyEngine(kv, layout, pool, cpu_threads=args.threads, checksums=False) as unchecked,
+        CopyEngine(kv, layout, pool, cpu_threads=args.threads, native=False) as python_path,
     ):
         job = 0
         for _ in range(args.repeats):
             # Each engine loads back the chunks it stored (a checksummed load needs a checksummed store).
-            chunks = torch.randperm(plan.num_chunks)[: 2 * (job_blocks // bpc)].chunk(2)
+            chunks = torch.randperm(plan.num_chunks)[: 3 * (job_blocks // bpc)].chunk(3)
             tags = torch.randint(1, 1 << 62, (job_blocks // bpc,), dtype=torch.int64)
             for is_store in (True, False):
                 direction = "store" if is_store else "load"
                 block_ids = torch.randperm(num_blocks)[:job_blocks]
                 src, dst = (engine_side, host_side) if is_store else (host_side, engine_side)
                 best[direction, "copy"] = min(best[direction, "copy"], _timed(partial(_plain_copy, dst, src), device))
-                for kind, engine, chunk_ids in (("on", checked, chunks[0]), ("off", unchecked, chunks[1])):
+                contenders = (("on", checked, chunks[0]), ("off", unchecked, chunks[1]), ("py", python_path, chunks[2]))
+                for kind, engine, chunk_ids in contenders:
                     job += 1
                     run = partial(_job, engine, job, is_store, block_ids, chunk_ids, tags)
                     best[direction, kind] = min(best[direction, kind], _timed(run, device))
                     (result,) = engine.poll()
                     if not result.success or result.num_bytes != total:
                         raise SystemExit(f"job {job} failed: {result}")
-    return [
-        (d, total / best[d, "on"] / 1e9, total / best[d, "off"] / 1e9, total / best[d, "copy"] / 1e9)
-        for d in ("store", "load")
-    ]
+    return [(d, *(total / best[d, kind] / 1e9 for kind in ("on", "off", "py", "copy"))) for d in ("store", "load")]
 
 
 def main() -> None:
@@ -148,16 +152,21 @@ def main() -> None:
         f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} layers={args.layers} "
         f"blocks_per_chunk={args.blocks_per_chunk} total={args.total_mib} MiB, best of {args.repeats}"
     )
+    kernel = _native.KERNEL
+    print(f"native copy kernel: {kernel.path.name if kernel else 'not built'} (py path: native=False)")
     print(
-        f"{'page':>8} {'direction':>9} {'ours GB/s':>10} {'no-cksum GB/s':>14} {'copy_ GB/s':>11} {'ratio':>6} "
-        f"{'checksum cost':>14}"
+        f"{'page':>8} {'direction':>9} {'ours GB/s':>10} {'no-cksum GB/s':>14} {'py path GB/s':>13} "
+        f"{'copy_ GB/s':>11} {'ratio':>6} {'vs py path':>11} {'checksum cost':>14}"
     )
     for text in args.pages.split(","):
         page = _parse_size(text)
-        for direction, ours, bare, base in bench_page(page, args, device):
+        for direction, ours, bare, python_path, base in bench_page(page, args, device):
             # extra seconds of the checksummed job over the unchecked one, per second of plain copy
             cost = (1 / ours - 1 / bare) * base
-            print(f"{text:>8} {direction:>9} {ours:10.2f} {bare:14.2f} {base:11.2f} {ours / base:6.2f} {cost:13.0%}")
+            print(
+                f"{text:>8} {direction:>9} {ours:10.2f} {bare:14.2f} {python_path:13.2f} {base:11.2f} "
+                f"{ours / base:6.2f} {ours / python_path:10.2f}x {cost:13.0%}"
+            )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED = ("src", "codegen", "tests", "benchmarks", "examples")
+CHECKED = ("src", "codegen", "tests", "benchmarks", "examples", "setup.py")
 
 
 def _run(*command: str) -> None:

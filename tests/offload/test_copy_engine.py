@@ -8,7 +8,7 @@ import itertools
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +24,7 @@ from kvoffload.offload.copy import (
     CopyRuns,
     IdsLike,
     TransferLayout,
+    _native,
     build_copy_runs,
     build_transfer_layout,
 )
@@ -32,6 +33,11 @@ from kvoffload.offload.copy import _cuda as cuda
 from kvoffload.offload.host_pool import HostPool
 from kvoffload.offload.pool_plan import plan_host_pool
 from tests.helpers import Placement, offloading_config
+
+pytestmark = pytest.mark.usefixtures("copy_path")  # every test runs on the native and the pure-Python path
+
+COPY_FUNCTIONS = ("_memmove_runs", "_copy_views", "_native_copy", "_native_copy_and_hash")
+"""Every function a CPU copy path moves bytes through (tests patch them all to hold or break a copy)."""
 
 # -- engine memory descriptions and the plain reference model ------------------------------------------
 
@@ -387,7 +393,7 @@ def test_runs_match_the_per_byte_reference(
     want_host = host.clone()
     for e, h, n in expected:
         want_host[h : h + n] = kv[e : e + n]
-    for executor in (_run_memmove, _run_indexed):
+    for executor in (_run_memmove, _run_native, _run_indexed):
         got = host.clone()
         executor(kv, got, runs, True)
         assert torch.equal(got, want_host)
@@ -401,7 +407,13 @@ def test_runs_match_the_per_byte_reference(
 
 def _run_memmove(kv: torch.Tensor, host: torch.Tensor, runs: CopyRuns, is_store: bool) -> None:
     for work in cpu._cpu_work(runs, is_store, kv.data_ptr(), host.data_ptr(), parts=2):
-        cpu._memmove_runs(*work)
+        cpu._memmove_arrays(*work)
+
+
+def _run_native(kv: torch.Tensor, host: torch.Tensor, runs: CopyRuns, is_store: bool) -> None:
+    assert _native.KERNEL is not None, "the native copy kernel is not built"
+    for work in cpu._cpu_work(runs, is_store, kv.data_ptr(), host.data_ptr(), parts=2):
+        _native.KERNEL.copy(*work)
 
 
 def _run_indexed(kv: torch.Tensor, host: torch.Tensor, runs: CopyRuns, is_store: bool) -> None:
@@ -422,8 +434,8 @@ def test_cpu_work_splits_long_runs_evenly() -> None:
         3 * piece + 10,
     )
     parts = cpu._cpu_work(runs, True, kv_ptr=1000, host_ptr=0, parts=2)
-    assert [sum(p[2]) for p in parts] == [2 * piece, piece + 10]
-    assert parts[0][1] == [1000, 1000 + piece] and parts[1][0] == [2 * piece, 5 * piece]
+    assert [int(p[2].sum()) for p in parts] == [2 * piece, piece + 10]
+    assert parts[0][1].tolist() == [1000, 1000 + piece] and parts[1][0].tolist() == [2 * piece, 5 * piece]
 
 
 # -- the engine ---------------------------------------------------------------------------------------
@@ -603,13 +615,13 @@ def test_failing_copy_reports_failure_and_engine_keeps_working(
 ) -> None:
     _, layout, pool, kv = mixed
 
-    def broken(*args: object) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
         raise OSError("simulated copy failure")
 
     job = {"group_sizes": [1, 0], "block_indices": [0, 0], "block_ids": [1], "chunk_ids": [0]}
     with CopyEngine(kv, layout, pool) as mover:
-        monkeypatch.setattr(cpu, "_memmove_runs", broken)  # either copy path fails
-        monkeypatch.setattr(cpu, "_copy_views", broken)
+        for name in COPY_FUNCTIONS:  # whichever copy path the engine takes fails
+            monkeypatch.setattr(cpu, name, broken)
         mover.submit_store(1, **job)
         mover.wait([1], timeout=10)
         (failed,) = mover.poll()
@@ -626,18 +638,16 @@ def test_wait_timeout_raises_transfer_error(
 ) -> None:
     _, layout, pool, kv = mixed
     release = threading.Event()
-    real, real_views = cpu._memmove_runs, cpu._copy_views
 
-    def slow(*args: list[int]) -> None:
-        release.wait(10)
-        real(*args)
+    def slow(real: Callable[..., None]) -> Callable[..., None]:
+        def held(*args: object, **kwargs: object) -> None:
+            release.wait(10)
+            real(*args, **kwargs)
 
-    def slow_views(*args: object) -> None:
-        release.wait(10)
-        real_views(*args)  # type: ignore[arg-type]
+        return held
 
-    monkeypatch.setattr(cpu, "_memmove_runs", slow)
-    monkeypatch.setattr(cpu, "_copy_views", slow_views)
+    for name in COPY_FUNCTIONS:
+        monkeypatch.setattr(cpu, name, slow(getattr(cpu, name)))
     with CopyEngine(kv, layout, pool) as mover:
         mover.submit_load(5, group_sizes=[1, 0], block_indices=[0, 0], block_ids=[1], chunk_ids=[0])
         with pytest.raises(TransferError, match=r"jobs \[5\] did not finish within 0.05s"):

@@ -97,7 +97,7 @@ def _jobs_for(page: int) -> tuple[CopyEngine, HostPool, dict[str, list[int]], to
     kv = random_bytes(engine.size, seed=5)
     pool = make_pool(layout.worker_kv_bytes_per_block, bpc=2, num_chunks=8)
     job = {"group_sizes": [6], "block_indices": [1], "block_ids": [7, 2, 9, 0, 4, 11], "chunk_ids": [5, 1, 6, 3]}
-    return CopyEngine(kv, layout, pool, cpu_threads=2), pool, job, kv
+    return CopyEngine(kv, layout, pool, cpu_threads=2, native=False), pool, job, kv  # views: the Python path
 
 
 @pytest.mark.parametrize("page", [4096, views.MAX_PAGE_BYTES + 4096])

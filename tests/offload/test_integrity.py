@@ -27,6 +27,8 @@ from kvoffload.offload.integrity import SEALED, TAGGED, key_tag
 from kvoffload.offload.pool_plan import HostPoolPlan, plan_host_pool
 from tests.helpers import Placement
 
+pytestmark = pytest.mark.usefixtures("copy_path")  # every test runs on the native and the pure-Python path
+
 PAGE = 64
 BLOCKS = 16
 # group 0: layers a, b (2 x 64 bytes per block); group 1: layer c (32 bytes per block); host slot 128 bytes
@@ -387,16 +389,16 @@ def test_a_store_invalidates_its_entries_until_its_copy_completes(
     release, started = threading.Event(), threading.Event()
 
     def holding(real: Callable[..., None]) -> Callable[..., None]:
-        def held(*args: object) -> None:
+        def held(*args: object, **kwargs: object) -> None:
             started.set()
             release.wait(10)
-            real(*args)
+            real(*args, **kwargs)
 
         return held
 
-    # hold whichever copy path the job takes (block views for these small pages, memmove for long ones)
-    monkeypatch.setattr(cpu, "_memmove_runs", holding(cpu._memmove_runs))
-    monkeypatch.setattr(cpu, "_copy_views", holding(cpu._copy_views))
+    # hold whichever copy path the job takes (native kernel, or block views / memmove in pure Python)
+    for name in ("_memmove_runs", "_copy_views", "_native_copy", "_native_copy_and_hash"):
+        monkeypatch.setattr(cpu, name, holding(getattr(cpu, name)))
     mover.submit_store(2, **job)  # type: ignore[arg-type]
     assert started.wait(10)
     assert pool.integrity.states(slots).tolist() == [0]  # a load now would fail: the bytes are changing

@@ -1,19 +1,23 @@
 """The CPU backend: one thread per direction copies each job, big jobs shared with helper threads.
 
-Small pages (up to 128 KB) are copied block by block through cached tensor views (:mod:`._views`), a stretch
-of blocks per GIL-free torch call; longer pages run by run with memmove. With content checksums on, every
-sub-block is hashed right after its bytes were copied, while they are in cache: a store hashes what it just
-wrote, a load the host bytes it just read.
+With the native kernel (:mod:`._native`, built at install time) a share of a job is one GIL-free call that
+copies its runs and hashes its sub-blocks. Without it (no compiler, or turned off), small pages (up to 128 KB)
+are copied block by block through cached tensor views (:mod:`._views`), a stretch of blocks per GIL-free torch
+call, and longer pages run by run with memmove. Either way, with content checksums on, every sub-block is
+hashed right after its bytes were copied, while they are in cache: a store hashes what it just wrote, a load
+the host bytes it just read.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -23,6 +27,7 @@ import xxhash
 
 from kvoffload._generated import JobResult
 from kvoffload.offload.copy._backend import Direction, Integrity, corrupt_result, done_result, failed_result
+from kvoffload.offload.copy._native import NativeKernel
 from kvoffload.offload.copy._placement import TransferLayout
 from kvoffload.offload.copy._runs import CopyRuns
 from kvoffload.offload.copy._views import BlockViews, ViewJob
@@ -37,7 +42,12 @@ _PARALLEL_MIN_BYTES = 2 << 20
 """Jobs smaller than this run on the direction's thread alone (waking helpers costs more)."""
 
 _HASH_BYTES = 512 << 10
-"""With checksums, runs are copied and slots hashed in stretches of at most this size (stays in L2)."""
+"""With checksums on the pure-Python path, slots are hashed in stretches of at most this size, each right after
+its bytes were copied. Larger than the cache would like: every stretch costs that path two GIL hand-overs."""
+
+_NATIVE_HASH_BYTES = 128 << 10
+"""The native kernel's stretch: it pays nothing per stretch, so a size that stays in L2 (measured here: 128 KB
+beat 256 KB and 512 KB by 5-10% at 256 KB and 2 MB pages)."""
 
 _VIEW_STRETCH_BYTES = 512 << 10
 """With checksums, block views are copied in stretches of about this many bytes, each hashed right after."""
@@ -76,6 +86,11 @@ def _memmove_runs(dsts: list[int], srcs: list[int], lengths: list[int]) -> None:
     deque(map(ctypes.memmove, dsts, srcs, lengths), maxlen=0)  # no Python bytecode between the calls
 
 
+def _memmove_arrays(dsts: np.ndarray, srcs: np.ndarray, lengths: np.ndarray) -> None:
+    """:func:`_memmove_runs` over int64 arrays."""
+    _memmove_runs(dsts.tolist(), srcs.tolist(), lengths.tolist())
+
+
 def _cut(engine: np.ndarray, host: np.ndarray, length: np.ndarray, piece: int) -> tuple[np.ndarray, ...]:
     """The runs cut into consecutive pieces of at most ``piece`` bytes (numpy: a few µs per call)."""
     pieces = (length + (piece - 1)) // piece
@@ -88,140 +103,133 @@ def _cut(engine: np.ndarray, host: np.ndarray, length: np.ndarray, piece: int) -
 
 def _cpu_work(
     runs: CopyRuns, is_store: bool, kv_ptr: int, host_ptr: int, parts: int
-) -> list[tuple[list[int], list[int], list[int]]]:
-    """Absolute (dst, src, length) lists for ``parts`` threads, split so each moves about the same bytes."""
-    engine, host, length = runs.engine_offsets, runs.host_offsets, runs.lengths
-    if length.numel() == 0:
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Absolute (dst, src, length) int64 arrays for ``parts`` threads, split so each moves about the same
+    bytes (runs longer than :data:`_PIECE_BYTES` are cut so that the shares can even out)."""
+    engine, host, length = runs.engine_offsets.numpy(), runs.host_offsets.numpy(), runs.lengths.numpy()
+    if length.size == 0:
         return []
     if parts > 1:
-        pieces = (length + (_PIECE_BYTES - 1)) // _PIECE_BYTES
-        if int(pieces.max()) > 1:
-            owner = torch.repeat_interleave(torch.arange(length.numel()), pieces)
-            piece_no = torch.arange(owner.numel()) - (pieces.cumsum(0) - pieces)[owner]
-            skip = piece_no * _PIECE_BYTES
-            engine, host = engine[owner] + skip, host[owner] + skip
-            length = torch.clamp(length[owner] - skip, max=_PIECE_BYTES)
+        engine, host, length = _cut(engine, host, length, _PIECE_BYTES)
     engine, host = engine + kv_ptr, host + host_ptr
     dst, src = (host, engine) if is_store else (engine, host)
     if parts <= 1:
-        return [(dst.tolist(), src.tolist(), length.tolist())]
-    ends = length.cumsum(0)
+        return [(dst, src, np.ascontiguousarray(length))]
+    ends = np.cumsum(length)
     owner = (2 * ends - length) * parts // (2 * int(ends[-1]))  # the part holding each run's middle byte
-    bounds = torch.searchsorted(owner, torch.arange(parts + 1)).tolist()
-    return [
-        (dst[a:b].tolist(), src[a:b].tolist(), length[a:b].tolist()) for a, b in itertools.pairwise(bounds) if b > a
-    ]
+    bounds = np.searchsorted(owner, np.arange(parts + 1)).tolist()
+    return [(dst[a:b], src[a:b], length[a:b]) for a, b in itertools.pairwise(bounds) if b > a]
 
 
 @dataclass(frozen=True)
 class _HashedPart:
-    """A share of a checksummed job: hash segments in host order (a slot, or a cache-sized stretch of a big
-    one), each with the end of the runs copied before it is hashed, and those runs as absolute pointers."""
+    """A share of a checksummed job: its runs as absolute addresses sorted by host offset, and the slots it
+    hashes sorted by host offset (``slot_ids``: each slot's index in the job's :class:`BlockSlots`)."""
 
-    slots: list[int]  # the job's BlockSlots index each segment belongs to
-    firsts: list[int]  # host byte range of each segment, relative to the rows
-    lasts: list[int]
-    whole: list[bool]  # the segment is its whole slot (else the slot is hashed in streaming segments)
-    final: list[bool]  # the segment ends its slot
-    bounds: list[int]  # runs [previous bound, bound) are copied before each segment is hashed
-    dsts: list[int]
-    srcs: list[int]
-    lengths: list[int]
+    dsts: np.ndarray
+    srcs: np.ndarray
+    lengths: np.ndarray
+    hosts: np.ndarray  # host offset of each run, relative to the rows
+    slot_firsts: np.ndarray
+    slot_sizes: np.ndarray
+    slot_ids: np.ndarray
 
 
 def _hashed_parts(
     runs: CopyRuns, is_store: bool, kv_ptr: int, host_ptr: int, slots: BlockSlots, parts: int
 ) -> list[_HashedPart]:
     """Split a checksummed job into up to ``parts`` shares of about equal bytes, cut only between slots that
-    no run spans (so a share never hashes bytes another share is still writing).
-
-    Runs are cut into pieces and slots into segments of at most :data:`_HASH_BYTES`, and each segment is
-    hashed right after the pieces starting before its end are copied: the bytes are hashed while in cache.
-    Everything is computed here, vectorized, so that the copy loop only moves and hashes.
-    """
-    starts = runs.host_offsets.numpy()
-    order = np.argsort(starts, kind="stable")
-    engine, host, lengths = _cut(
-        runs.engine_offsets.numpy()[order], starts[order], runs.lengths.numpy()[order], _HASH_BYTES
-    )
+    no run spans (so a share never hashes bytes another share is still writing)."""
+    host = runs.host_offsets.numpy()
+    order = np.argsort(host, kind="stable")
+    host, engine, lengths = host[order], runs.engine_offsets.numpy()[order], runs.lengths.numpy()[order]
     dst, src = (host + host_ptr, engine + kv_ptr) if is_store else (engine + kv_ptr, host + host_ptr)
     offsets = np.asarray(slots.host_offsets, dtype=np.int64)
     visit = np.argsort(offsets, kind="stable")
     slot_first = offsets[visit]
     slot_size = np.asarray(slots.lengths, dtype=np.int64)[visit]
-    # segments of each slot (an empty slot keeps one empty segment)
-    count = np.maximum((slot_size + (_HASH_BYTES - 1)) // _HASH_BYTES, 1)
-    owner = np.repeat(np.arange(visit.size), count)
-    seg_no = np.arange(owner.size) - (np.cumsum(count) - count)[owner]
-    first = slot_first[owner] + seg_no * _HASH_BYTES
-    last = np.minimum(first + _HASH_BYTES, (slot_first + slot_size)[owner])
-    final = seg_no == count[owner] - 1
-    bound = np.searchsorted(host, last)
-    cuts, run_cuts = [0], [0]  # segment and run positions where a share starts
-    if parts > 1 and visit.size > 1:
+    cuts, run_cuts = [0], [0]  # slot and run positions where a share starts
+    if parts > 1 and visit.size > 1 and lengths.size:
         next_first = slot_first[1:]
-        before_next = np.searchsorted(host, next_first)  # pieces starting before each next slot
+        before_next = np.searchsorted(host, next_first)  # runs starting before each next slot
         reach = (host + lengths)[np.maximum(before_next - 1, 0)]
-        allowed = np.flatnonzero((before_next == 0) | (reach <= next_first))
+        slot_reach = np.maximum.accumulate(slot_first + slot_size)[:-1]  # end of the slots before each cut
+        allowed = np.flatnonzero(((before_next == 0) | (reach <= next_first)) & (slot_reach <= next_first))
         done = np.cumsum(slot_size)
         targets = int(done[-1]) * np.arange(1, parts, dtype=np.int64) // parts
         picks = np.searchsorted(done[allowed], targets)  # first allowed cut with at least the target
-        slot_ends = np.cumsum(count)
         for pick in sorted(set(picks.tolist())):
             if pick < allowed.size:
                 position = int(allowed[pick])
-                cuts.append(int(slot_ends[position]))
+                cuts.append(position + 1)
                 run_cuts.append(int(before_next[position]))
-    cuts.append(int(owner.size))
+    cuts.append(int(visit.size))
     run_cuts.append(int(lengths.size))
-    ids, firsts, lasts, bounds = visit[owner].tolist(), first.tolist(), last.tolist(), bound.tolist()
-    whole, finals = (count[owner] == 1).tolist(), final.tolist()
-    dsts, srcs, length_list = dst.tolist(), src.tolist(), lengths.tolist()
-    out: list[_HashedPart] = []
-    for (a, b), (ra, rb) in zip(itertools.pairwise(cuts), itertools.pairwise(run_cuts), strict=True):
-        if b == a and rb == ra:
-            continue
-        out.append(
-            _HashedPart(
-                ids[a:b],
-                firsts[a:b],
-                lasts[a:b],
-                whole[a:b],
-                finals[a:b],
-                [min(rb, max(ra, x)) - ra for x in bounds[a:b]],
-                dsts[ra:rb],
-                srcs[ra:rb],
-                length_list[ra:rb],
-            )
-        )
-    return out
+    return [
+        _HashedPart(dst[ra:rb], src[ra:rb], lengths[ra:rb], host[ra:rb], slot_first[a:b], slot_size[a:b], visit[a:b])
+        for (a, b), (ra, rb) in zip(itertools.pairwise(cuts), itertools.pairwise(run_cuts), strict=True)
+        if b > a or rb > ra
+    ]
 
 
-def _copy_and_hash(part: _HashedPart, is_store: bool, host: memoryview, digests: list[int]) -> None:
+def _copy_and_hash(part: _HashedPart, host: memoryview, digests: list[int], stretch: int) -> None:
     """Copy a share's runs and hash each of its slots while the bytes are in cache (digests by slot index).
 
     Both directions hash the host bytes right after copying them: a store what it wrote, a load what it read
-    (in cache then, ~20% cheaper than hashing from memory before the copy). A slot bigger than
-    :data:`_HASH_BYTES` is hashed in streaming segments, each right after its own bytes were copied.
+    (in cache then, ~20% cheaper than hashing from memory before the copy). Slots are hashed in stretches of
+    at most ``stretch`` bytes, each right after every run byte below its end was copied (the native kernel
+    runs the same walk).
     """
-    dsts, srcs, lengths = part.dsts, part.srcs, part.lengths
-    digest = _xxh3_64
-    state: xxhash.xxh3_64 | None = None
-    r = 0
-    segments = zip(part.slots, part.firsts, part.lasts, part.whole, part.final, part.bounds, strict=True)
-    for i, first, last, whole, final, bound in segments:
-        _memmove_runs(dsts[r:bound], srcs[r:bound], lengths[r:bound])
-        r = bound
-        if whole:
-            digests[i] = digest(host[first:last])
-            continue
-        if state is None:
-            state = xxhash.xxh3_64()
-        state.update(host[first:last])
-        if final:
-            digests[i] = state.intdigest()
-            state = None
-    _memmove_runs(dsts[r:], srcs[r:], lengths[r:])
+    dsts, srcs, lengths, hosts = part.dsts.tolist(), part.srcs.tolist(), part.lengths.tolist(), part.hosts.tolist()
+    r = done = 0
+    for first, size, index in zip(
+        part.slot_firsts.tolist(), part.slot_sizes.tolist(), part.slot_ids.tolist(), strict=True
+    ):
+        end = first + size
+        state = xxhash.xxh3_64() if size > stretch else None
+        a = first
+        while True:
+            b = min(a + stretch, end)
+            pieces: tuple[list[int], list[int], list[int]] = ([], [], [])
+            while r < len(lengths) and hosts[r] + done < b:
+                n = min(lengths[r] - done, b - hosts[r] - done)
+                pieces[0].append(dsts[r] + done)
+                pieces[1].append(srcs[r] + done)
+                pieces[2].append(n)
+                done += n
+                if done >= lengths[r]:
+                    r, done = r + 1, 0
+            _memmove_runs(*pieces)
+            if state is None:
+                digests[index] = _xxh3_64(host[a:b])
+            else:
+                state.update(host[a:b])
+            a = b
+            if a >= end:
+                break
+        if state is not None:
+            digests[index] = state.intdigest()
+    if r < len(lengths):  # runs past the last slot
+        rest = slice(r + 1, None)
+        _memmove_runs([dsts[r] + done, *dsts[rest]], [srcs[r] + done, *srcs[rest]], [lengths[r] - done, *lengths[rest]])
+
+
+def _native_copy(kernel: NativeKernel, dsts: np.ndarray, srcs: np.ndarray, lengths: np.ndarray) -> None:
+    """Copy runs in one call of the native kernel."""
+    kernel.copy(dsts, srcs, lengths)
+
+
+def _native_copy_and_hash(
+    kernel: NativeKernel, part: _HashedPart, host_ptr: int, digests: np.ndarray, stretch: int
+) -> None:
+    """:func:`_copy_and_hash` in one call of the native kernel (no GIL, no Python between pages)."""
+    kernel.copy_hash(
+        (part.dsts, part.srcs, part.lengths, part.hosts),
+        (part.slot_firsts, part.slot_sizes, part.slot_ids),
+        stretch,
+        host_ptr,
+        digests,
+    )
 
 
 class CpuBackend:
@@ -238,9 +246,12 @@ class CpuBackend:
         threads: int,
         integrity: Integrity,
         layout: TransferLayout | None = None,
+        kernel: NativeKernel | None = None,
     ) -> None:
         self._kv = kv_flat
-        self._views = BlockViews(kv_flat, host_flat, layout) if layout is not None else None
+        self._kernel = kernel
+        # the native kernel copies small pages as fast as long ones: block views are its pure-Python stand-in
+        self._views = BlockViews(kv_flat, host_flat, layout) if layout is not None and kernel is None else None
         self._integrity = integrity
         self._host = host_flat  # the references keep the memory behind the raw pointers alive
         self._parts = threads
@@ -338,9 +349,13 @@ class CpuBackend:
             return
         parallel = self._helpers is not None and runs.num_bytes >= _PARALLEL_MIN_BYTES
         work = _cpu_work(runs, is_store, self._kv.data_ptr(), self._host.data_ptr(), self._parts if parallel else 1)
-        futures = [self._helpers.submit(_memmove_runs, *w) for w in work[1:]] if self._helpers else []
+        kernel = self._kernel
+        copy: Callable[[np.ndarray, np.ndarray, np.ndarray], None] = (
+            functools.partial(_native_copy, kernel) if kernel is not None else _memmove_arrays
+        )
+        futures = [self._helpers.submit(copy, d, s, n) for d, s, n in work[1:]] if self._helpers else []
         try:
-            _memmove_runs(*work[0])
+            copy(*work[0])
         finally:
             errors = [f.exception() for f in futures]  # wait for every helper before reporting
         for error in errors:
@@ -350,25 +365,27 @@ class CpuBackend:
     def _execute_hashed(self, runs: CopyRuns, is_store: bool, slots: BlockSlots) -> list[int]:
         """Copy and hash in shares (helpers copy while another share hashes); the slots' digests."""
         parallel = self._helpers is not None and runs.num_bytes >= _PARALLEL_MIN_BYTES
-        work = _hashed_parts(
-            runs, is_store, self._kv.data_ptr(), self._host.data_ptr(), slots, self._parts if parallel else 1
-        )
-        digests = [0] * len(slots)
-        host = self._integrity.host
-        futures = (
-            [self._helpers.submit(_copy_and_hash, w, is_store, host, digests) for w in work[1:]]
-            if self._helpers
-            else []
-        )
+        kernel = self._kernel
+        host_ptr = self._host.data_ptr()
+        work = _hashed_parts(runs, is_store, self._kv.data_ptr(), host_ptr, slots, self._parts if parallel else 1)
+        if kernel is not None:
+            sums = np.zeros(len(slots), dtype=np.uint64)
+            share = functools.partial(
+                _native_copy_and_hash, kernel, host_ptr=host_ptr, digests=sums, stretch=_NATIVE_HASH_BYTES
+            )
+        else:
+            digests = [0] * len(slots)
+            share = functools.partial(_copy_and_hash, host=self._integrity.host, digests=digests, stretch=_HASH_BYTES)
+        futures = [self._helpers.submit(share, w) for w in work[1:]] if self._helpers else []
         try:
             if work:
-                _copy_and_hash(work[0], is_store, host, digests)
+                share(work[0])
         finally:
             errors = [f.exception() for f in futures]
         for error in errors:
             if error is not None:
                 raise error
-        return digests
+        return sums.tolist() if kernel is not None else digests
 
     def poll(self) -> list[JobResult]:
         with self._cond:

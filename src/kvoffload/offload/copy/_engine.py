@@ -11,6 +11,7 @@ from kvoffload.errors import ConfigError, InvalidStateError, TransferError
 from kvoffload.offload.copy._backend import CopyBackend, Direction, Integrity
 from kvoffload.offload.copy._cpu import CpuBackend
 from kvoffload.offload.copy._cuda import CudaBackend
+from kvoffload.offload.copy._native import KERNEL, NativeKernel
 from kvoffload.offload.copy._placement import TransferLayout
 from kvoffload.offload.copy._runs import CopyRuns, IdsLike, build_block_slots, build_copy_runs
 from kvoffload.offload.host_pool import HostPool
@@ -32,6 +33,9 @@ class CopyEngine:
     ``chunk_tags`` and an xxh3_64 checksum of the stored bytes in the pool's table; every load verifies both
     and fails with ``corrupt_chunk_ids`` on a mismatch or a missing entry. ``checksums=False`` skips the
     content checksums (key tags are still written and verified); every rank of a pool must agree on it.
+
+    CPU copies run in the native kernel built at install time (one GIL-free call copies and hashes a share of
+    a job) unless ``native=False`` or it was not built; the pure-Python path gives the same bytes and digests.
     """
 
     def __init__(
@@ -42,9 +46,12 @@ class CopyEngine:
         *,
         cpu_threads: int | None = None,
         checksums: bool = True,
+        native: bool = True,
     ) -> None:
         if not isinstance(checksums, bool):
             raise ConfigError(f"checksums={checksums!r} must be a bool")
+        if not isinstance(native, bool):
+            raise ConfigError(f"native={native!r} must be a bool")
         if not kv_memory.is_contiguous():
             raise ConfigError(f"kv_memory must be contiguous (shape {tuple(kv_memory.shape)})")
         kv_flat = kv_memory.reshape(-1).view(torch.uint8)
@@ -81,10 +88,12 @@ class CopyEngine:
         host_bytes: memoryview = memoryview(host_flat.numpy())  # type: ignore[arg-type]  # numpy is a buffer
         integrity = Integrity(self._table, host_bytes, checksums)
         self._backend: CopyBackend
+        self._kernel: NativeKernel | None = None
         if kv_flat.is_cuda:
             self._backend = CudaBackend(kv_flat, host_flat, integrity)
         elif kv_flat.device.type == "cpu":
-            self._backend = CpuBackend(kv_flat, host_flat, threads, integrity, layout)
+            self._kernel = KERNEL if native else None
+            self._backend = CpuBackend(kv_flat, host_flat, threads, integrity, layout, self._kernel)
         else:
             raise ConfigError(f"kv_memory on device {kv_flat.device} is not supported (cpu or cuda)")
 
@@ -190,6 +199,11 @@ class CopyEngine:
                 self._table.invalidate(slots)  # unusable until this store's copy has completed
         self._unpolled.add(job_id)
         self._backend.submit(job_id, direction, runs, slots)
+
+    @property
+    def native(self) -> bool:
+        """Whether CPU copies run in the native kernel (``native=True`` and the kernel was built at install)."""
+        return self._kernel is not None
 
     @property
     def checksums(self) -> bool:

@@ -1,0 +1,133 @@
+"""The optional native copy kernel (``csrc/kvcopy.c``, built by ``setup.py``), loaded with ctypes.
+
+One call copies a whole share of a job and hashes its sub-blocks while they are in cache, without the GIL:
+no Python runs between pages. Without the built library (no C compiler at install time) or with
+``KVOFFLOAD_NATIVE_COPY=0`` in the environment, :data:`KERNEL` is None and the CPU backend uses its pure-Python
+path, with the same results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["KERNEL", "NativeKernel", "load_kernel"]
+
+_ABI_VERSION = 2
+_I64P = ctypes.POINTER(ctypes.c_int64)
+_U8P = ctypes.POINTER(ctypes.c_uint8)
+_U64P = ctypes.POINTER(ctypes.c_uint64)
+_I64 = ctypes.c_int64
+
+
+def _ptr(array: np.ndarray, kind: type[ctypes._Pointer[ctypes.c_int64]]) -> ctypes._Pointer[ctypes.c_int64]:
+    return array.ctypes.data_as(kind)
+
+
+class NativeKernel:
+    """The loaded library: :meth:`copy` and :meth:`copy_hash` over int64 arrays of absolute addresses."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._copy = lib.kvcopy_copy
+        self._copy.argtypes = [_I64, _I64P, _I64P, _I64P]
+        self._copy.restype = None
+        self._copy_hash = lib.kvcopy_copy_hash
+        self._copy_hash.argtypes = [_I64, _I64P, _I64P, _I64P, _I64P, _I64, _I64P, _I64P, _I64P, _I64, _U8P, _U64P]
+        self._copy_hash.restype = ctypes.c_int
+        self._xxh3 = lib.kvcopy_xxh3_64
+        self._xxh3.argtypes = [ctypes.c_void_p, _I64]
+        self._xxh3.restype = ctypes.c_uint64
+        self.vector = int(lib.kvcopy_xxh3_vector())
+
+    def copy(self, dst: np.ndarray, src: np.ndarray, length: np.ndarray) -> None:
+        """``memmove`` each run: ``dst[i] <- src[i]``, ``length[i]`` bytes (int64 arrays of equal size)."""
+        n = _same_size(dst, src, length)
+        self._copy(n, _ptr(dst, _I64P), _ptr(src, _I64P), _ptr(length, _I64P))
+
+    def copy_hash(
+        self,
+        runs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+        slots: tuple[np.ndarray, np.ndarray, np.ndarray],
+        stretch: int,
+        base: int,
+        digests: np.ndarray,
+    ) -> None:
+        """Copy ``runs`` (dst, src, length, host offset; sorted by host offset) and hash ``slots`` (first,
+        size, digest index; sorted by first) of the host memory at address ``base`` into ``digests`` (uint64),
+        each stretch of a slot right after the runs below its end were copied; see ``csrc/kvcopy.c``."""
+        dst, src, length, host = runs
+        first, size, index = slots
+        n = _same_size(dst, src, length, host)
+        k = _same_size(first, size, index)
+        if digests.dtype != np.uint64 or not digests.flags.c_contiguous:
+            raise ValueError(f"digests must be contiguous uint64, got {digests.dtype}")
+        if k and (int(index.min()) < 0 or int(index.max()) >= digests.size):
+            raise ValueError(f"slot digest indices outside [0, {digests.size})")
+        status = self._copy_hash(
+            n,
+            _ptr(dst, _I64P),
+            _ptr(src, _I64P),
+            _ptr(length, _I64P),
+            _ptr(host, _I64P),
+            k,
+            _ptr(first, _I64P),
+            _ptr(size, _I64P),
+            _ptr(index, _I64P),
+            stretch,
+            ctypes.cast(base, _U8P),
+            digests.ctypes.data_as(_U64P),
+        )
+        if status != 0:
+            raise ValueError("runs or slots are not sorted by host offset, or stretch is not positive")
+
+    def xxh3_64(self, address: int, size: int) -> int:
+        """xxh3_64 of ``size`` bytes at ``address`` (the same digest as ``xxhash.xxh3_64_intdigest``)."""
+        return int(self._xxh3(address, size))
+
+
+def _same_size(*arrays: np.ndarray) -> int:
+    sizes = {a.size for a in arrays}
+    if len(sizes) != 1:
+        raise ValueError(f"arrays of different sizes {sorted(sizes)}")
+    for a in arrays:
+        if a.dtype != np.int64 or not a.flags.c_contiguous:
+            raise ValueError(f"expected contiguous int64 arrays, got {a.dtype}")
+    return sizes.pop()
+
+
+def _library(name: str) -> Path | None:
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"{name}{suffix}"
+        if path.exists():
+            return path
+    return None
+
+
+def load_kernel() -> NativeKernel | None:
+    """The best built kernel for this CPU (AVX2 when it has it), or None (not built, or turned off)."""
+    if os.environ.get("KVOFFLOAD_NATIVE_COPY", "1") == "0":
+        return None
+    base_path = _library("_kvcopy")
+    if base_path is None:
+        return None
+    try:
+        base = ctypes.CDLL(str(base_path))
+        if int(base.kvcopy_abi_version()) != _ABI_VERSION:
+            return None
+        chosen, path = base, base_path
+        avx2_path = _library("_kvcopy_avx2")
+        if avx2_path is not None and int(base.kvcopy_cpu_has_avx2()):
+            chosen, path = ctypes.CDLL(str(avx2_path)), avx2_path
+        return NativeKernel(chosen, path)
+    except (OSError, AttributeError):
+        return None
+
+
+KERNEL: NativeKernel | None = load_kernel()
+"""The kernel this process uses (None: the pure-Python path)."""
