@@ -23,6 +23,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import xxhash
 
 from kvoffload import KVCacheTensor
 from kvoffload.offload.copy import CopyEngine, _native, build_transfer_layout
@@ -137,6 +138,17 @@ def bench_page(
     return [(d, *(total / best[d, kind] / 1e9 for kind in ("on", "off", "py", "copy"))) for d in ("store", "load")]
 
 
+def _cached_hash_gbps(size: int = 256 << 10, rounds: int = 2000) -> float:
+    data = memoryview(bytes(range(256)) * (size // 256))
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(rounds):
+            xxhash.xxh3_64_intdigest(data)
+        best = min(best, time.perf_counter() - start)
+    return size * rounds / best / 1e9
+
+
 def main() -> None:
     """Parse the arguments, run every page size and print the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,6 +166,8 @@ def main() -> None:
     )
     kernel = _native.KERNEL
     print(f"native copy kernel: {kernel.path.name if kernel else 'not built'} (py path: native=False)")
+    # hashing is compute-bound: on a shared machine its speed says how much CPU this run got
+    print(f"machine check: xxh3 of a cached 256 KiB buffer {_cached_hash_gbps():.1f} GB/s (one thread)")
     print(
         f"{'page':>8} {'direction':>9} {'ours GB/s':>10} {'no-cksum GB/s':>14} {'py path GB/s':>13} "
         f"{'copy_ GB/s':>11} {'ratio':>6} {'vs py path':>11} {'checksum cost':>14}"
