@@ -31,9 +31,6 @@ KV_EXPORT int kvcopy_cpu_has_avx2(void) {
 #endif
 }
 
-/* The vector unit xxh3 was compiled for (XXH_SCALAR=0, SSE2=1, AVX2=2, AVX512=3, NEON=4, ...). */
-KV_EXPORT int kvcopy_xxh3_vector(void) { return XXH_VECTOR; }
-
 KV_EXPORT uint64_t kvcopy_xxh3_64(const void *data, int64_t size) { return XXH3_64bits(data, (size_t)size); }
 
 static void copy_runs(int64_t lo, int64_t hi, const int64_t *dst, const int64_t *src, const int64_t *len) {

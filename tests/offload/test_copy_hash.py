@@ -14,18 +14,12 @@ import numpy as np
 import pytest
 import torch
 import xxhash
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvoffload.offload.copy import CopyRuns, _native
 from kvoffload.offload.copy import _cpu as cpu
 from kvoffload.offload.integrity import BlockSlots
-
-
-def _kernel() -> _native.NativeKernel:
-    if _native.KERNEL is None:
-        pytest.fail("the native copy kernel is not built: reinstall with a C compiler (pip install -e .)")
-    return _native.KERNEL
 
 
 @st.composite
@@ -70,10 +64,14 @@ def _job(slots: list[tuple[int, int]], runs: list[tuple[int, int, int]]) -> tupl
     return copy_runs, BlockSlots(none, none, [s[0] for s in slots], [s[1] for s in slots], none)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(hashed_jobs(), st.sampled_from([1, 7, 64, 1000, 1 << 20]), st.integers(1, 3), st.booleans())
 def test_copy_and_hash_matches_the_reference(
-    job: tuple[list[tuple[int, int]], list[tuple[int, int, int]], int], stretch: int, parts: int, is_store: bool
+    native_kernel: _native.NativeKernel,
+    job: tuple[list[tuple[int, int]], list[tuple[int, int, int]], int],
+    stretch: int,
+    parts: int,
+    is_store: bool,
 ) -> None:
     slots, runs, engine_bytes = job
     host_bytes = max(first + size for first, size in slots) + 1
@@ -95,7 +93,7 @@ def test_copy_and_hash_matches_the_reference(
         if native:
             sums = np.zeros(len(slots), dtype=np.uint64)
             for share in shares:
-                cpu._native_copy_and_hash(_kernel(), share, host.data_ptr(), sums, stretch)
+                cpu._native_copy_and_hash(native_kernel, share, host.data_ptr(), sums, stretch)
             digests = sums.tolist()
         else:
             digests = [0] * len(slots)
@@ -105,8 +103,8 @@ def test_copy_and_hash_matches_the_reference(
         assert digests == want_digests, f"native={native}"
 
 
-def test_kernel_refuses_unsorted_input_without_copying() -> None:
-    kernel = _kernel()
+def test_kernel_refuses_unsorted_input_without_copying(native_kernel: _native.NativeKernel) -> None:
+    kernel = native_kernel
     src = np.arange(16, dtype=np.uint8)
     dst = np.zeros(16, dtype=np.uint8)
     base = dst.ctypes.data
@@ -122,7 +120,7 @@ def test_kernel_refuses_unsorted_input_without_copying() -> None:
         kernel.copy(np.zeros(1, dtype=np.int32), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64))
 
 
-def test_kernel_hash_is_xxh3_64() -> None:
+def test_kernel_hash_is_xxh3_64(native_kernel: _native.NativeKernel) -> None:
     data = np.random.default_rng(0).integers(0, 256, 100_003, dtype=np.uint8)
     for size in (0, 1, 16, 17, 240, 241, 1024, 100_003):
-        assert _kernel().xxh3_64(data.ctypes.data, size) == xxhash.xxh3_64_intdigest(data[:size].tobytes())
+        assert native_kernel.xxh3_64(data.ctypes.data, size) == xxhash.xxh3_64_intdigest(data[:size].tobytes())

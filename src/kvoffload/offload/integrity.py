@@ -28,6 +28,7 @@ __all__ = [
     "SEALED",
     "TAGGED",
     "BlockSlots",
+    "Digests",
     "IntegrityTable",
     "key_tag",
     "key_tags",
@@ -45,6 +46,10 @@ SEALED = 2
 _FIELDS = 3  # tag, checksum, state
 _TAG, _SUM, _STATE = range(_FIELDS)
 _hash = xxhash.xxh3_64_intdigest
+
+Digests = list[int] | np.ndarray
+"""xxh3_64 digests of a job's slots, in slot order: Python ints, or a uint64 array (what the native kernel
+writes)."""
 
 
 def key_tag(key: bytes) -> int:
@@ -119,7 +124,7 @@ class IntegrityTable:
         """Mark the entries unusable: a store into them has started."""
         self._meta[slots.entries, _STATE] = INVALID
 
-    def seal(self, slots: BlockSlots, host: memoryview, *, checksums: bool, sums: list[int] | None = None) -> None:
+    def seal(self, slots: BlockSlots, host: memoryview, *, checksums: bool, sums: Digests | None = None) -> None:
         """Record the tags (and checksums of the host bytes) of a completed store, then mark them valid.
 
         ``sums`` are the xxh3_64 digests of the slots' bytes when the caller already computed them.
@@ -131,9 +136,7 @@ class IntegrityTable:
             meta[idx, _SUM] = _checksums(host, slots) if sums is None else _as_int64(sums)
         meta[idx, _STATE] = SEALED if checksums else TAGGED
 
-    def verify(
-        self, slots: BlockSlots, host: memoryview, *, checksums: bool, sums: list[int] | None = None
-    ) -> list[int]:
+    def verify(self, slots: BlockSlots, host: memoryview, *, checksums: bool, sums: Digests | None = None) -> list[int]:
         """Chunk ids (sorted, unique) of ``slots`` whose entry is missing, has another tag or another checksum.
 
         ``sums`` are the xxh3_64 digests of the slots' bytes when the caller already computed them.
@@ -154,6 +157,7 @@ def _checksums(host: memoryview, slots: BlockSlots) -> np.ndarray:
     return _as_int64([_hash(host[o : o + n]) for o, n in zip(slots.host_offsets, slots.lengths, strict=True)])
 
 
-def _as_int64(digests: list[int]) -> np.ndarray:
-    values: np.ndarray = np.array(digests, dtype=np.uint64).view(np.int64)
+def _as_int64(digests: Digests) -> np.ndarray:
+    """The digests as the table's int64 (same bits); a uint64 array is viewed, not copied."""
+    values: np.ndarray = np.asarray(digests, dtype=np.uint64).view(np.int64)
     return values

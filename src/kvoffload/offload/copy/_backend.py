@@ -19,7 +19,7 @@ from typing import Protocol
 from kvoffload._generated import JobResult
 from kvoffload._packed import pack_int64
 from kvoffload.offload.copy._runs import CopyRuns
-from kvoffload.offload.integrity import BlockSlots, IntegrityTable
+from kvoffload.offload.integrity import BlockSlots, Digests, IntegrityTable
 
 __all__ = ["CopyBackend", "Direction", "Integrity", "corrupt_result", "done_result", "failed_result"]
 
@@ -75,12 +75,12 @@ class Integrity:
     host: memoryview
     checksums: bool
 
-    def seal(self, slots: BlockSlots | None, sums: list[int] | None = None) -> None:
+    def seal(self, slots: BlockSlots | None, sums: Digests | None = None) -> None:
         """Record a completed store's tags (and checksums: ``sums`` if already computed)."""
         if slots is not None and len(slots):
             self.table.seal(slots, self.host, checksums=self.checksums, sums=sums)
 
-    def verify(self, slots: BlockSlots | None, sums: list[int] | None = None) -> list[int]:
+    def verify(self, slots: BlockSlots | None, sums: Digests | None = None) -> list[int]:
         """Chunk ids of ``slots`` that do not verify (``sums``: the slots' digests if already computed)."""
         if slots is None or not len(slots):
             return []

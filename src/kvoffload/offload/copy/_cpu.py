@@ -31,7 +31,7 @@ from kvoffload.offload.copy._native import NativeKernel
 from kvoffload.offload.copy._placement import TransferLayout
 from kvoffload.offload.copy._runs import CopyRuns
 from kvoffload.offload.copy._views import BlockViews, ViewJob
-from kvoffload.offload.integrity import BlockSlots
+from kvoffload.offload.integrity import BlockSlots, Digests
 
 __all__ = ["CpuBackend"]
 
@@ -281,7 +281,7 @@ class CpuBackend:
             job_id, runs, slots = item
             start = time.perf_counter()
             try:
-                sums: list[int] | None = None
+                sums: Digests | None = None
                 hashed = integrity.checksums and slots is not None and len(slots) > 0 and len(runs) > 0
                 view_job = self._view_job(runs, is_store, slots)
                 if view_job is not None:
@@ -362,7 +362,7 @@ class CpuBackend:
             if error is not None:
                 raise error
 
-    def _execute_hashed(self, runs: CopyRuns, is_store: bool, slots: BlockSlots) -> list[int]:
+    def _execute_hashed(self, runs: CopyRuns, is_store: bool, slots: BlockSlots) -> Digests:
         """Copy and hash in shares (helpers copy while another share hashes); the slots' digests."""
         parallel = self._helpers is not None and runs.num_bytes >= _PARALLEL_MIN_BYTES
         kernel = self._kernel
@@ -385,7 +385,7 @@ class CpuBackend:
         for error in errors:
             if error is not None:
                 raise error
-        return sums.tolist() if kernel is not None else digests
+        return sums if kernel is not None else digests
 
     def poll(self) -> list[JobResult]:
         with self._cond:

@@ -42,7 +42,6 @@ class NativeKernel:
         self._xxh3 = lib.kvcopy_xxh3_64
         self._xxh3.argtypes = [ctypes.c_void_p, _I64]
         self._xxh3.restype = ctypes.c_uint64
-        self.vector = int(lib.kvcopy_xxh3_vector())
 
     def copy(self, dst: np.ndarray, src: np.ndarray, length: np.ndarray) -> None:
         """``memmove`` each run: ``dst[i] <- src[i]``, ``length[i]`` bytes (int64 arrays of equal size)."""
