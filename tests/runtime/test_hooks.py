@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -63,6 +64,8 @@ class ProbeHook:
         return [json.dumps({"rank": self.context.rank, "steps": self.steps}).encode()]
 
     def close(self) -> None:
+        # A slow close: the scheduler must not end a failed worker before its hook has closed.
+        time.sleep(float(str(self.context.options.get("close_delay_s", 0))))
         (Path(str(self.context.options["dir"])) / f"closed-{self.context.rank}").touch()
 
 
@@ -85,7 +88,7 @@ def test_probe_is_a_worker_hook() -> None:
 
 def test_hook_runs_at_each_point_of_a_step_in_the_worker_processes(tmp_path: Path) -> None:
     snapshot = default_snapshot(workers=2, num_blocks=32, cpu_bytes=8 << 20)
-    options = {"tag": "probe", "dir": str(tmp_path)}
+    options = {"tag": "probe", "dir": str(tmp_path), "close_delay_s": 1.5}
     with WorkerCluster(snapshot, hook=PROBE, hook_options=options, step_timeout_s=60) as cluster:
         r = cluster.step(_plan(0), [b"write 3 171"])  # the forward pass writes block 3
         assert _replies(r) == {
@@ -146,3 +149,18 @@ class NotAHook:
 
     def __init__(self, context: WorkerContext) -> None:
         self.context = context
+
+
+@pytest.mark.timeout(120)  # without a bounded grace the step would wait out the hook's 600 s close
+def test_a_failed_worker_whose_close_hangs_is_still_ended(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grace a failed worker gets to close is bounded: a hook whose close never returns does not hang the step."""
+    monkeypatch.setattr("kvoffload.runtime.cluster._FAILED_EXIT_GRACE_S", 0.5)
+    snapshot = default_snapshot(workers=1, num_blocks=8, cpu_bytes=4 << 20)
+    options = {"tag": "probe", "dir": str(tmp_path), "close_delay_s": 600}
+    with WorkerCluster(snapshot, hook=PROBE, hook_options=options, step_timeout_s=60) as cluster:
+        r = cluster.step(_plan(0), [b"raise 0"])
+        assert r.newly_dead == (0,)
+        assert r.errors[0] == "worker 0 failed at step 0: RuntimeError: probe asked to fail at step 0"
+        cluster.close()
+    assert list(tmp_path.iterdir()) == []
+    assert not mp.active_children()

@@ -1,14 +1,15 @@
 """The scheduler side of the runtime: spawn N worker processes, handshake, fan StepPlans out, gather reports.
 
-``WorkerCluster`` owns the worker processes (``multiprocessing`` spawn) and one pipe to each. Every receive
-has a timeout, and a worker that dies, fails (its ``WorkerFailure`` names the cause), stops sending heartbeats
-for ``worker_timeout_s`` (stopped or frozen), hangs past ``step_timeout_s``, or sends a malformed message is
-marked dead: its process is ended and :meth:`WorkerCluster.step` reports it in ``newly_dead`` (with the reason
-in ``errors``) so the scheduler can fail the jobs it will never report (requests then fall back to recompute)
-and carry on with the others. Before spawning, :meth:`WorkerCluster.start` checks every rank's config can run
-and that all host pools together fit in available memory, and removes shared-pool files whose owner died.
-``close`` shuts workers down cleanly (Shutdown, final drain report, join), kills stragglers, and leaves no
-orphan processes or shared-memory files.
+``WorkerCluster`` owns the worker processes (``multiprocessing`` spawn) and one pipe to each. Every receive has
+a timeout, and a worker that dies, fails (its ``WorkerFailure`` names the cause), stops sending heartbeats for
+``worker_timeout_s`` (stopped or frozen), hangs past ``step_timeout_s``, or sends a malformed message is marked
+dead: its process is ended (one that reported its own failure first gets up to 10 s to close its hook, pool and
+tiers and exit) and :meth:`WorkerCluster.step` reports it in ``newly_dead`` (with the reason in ``errors``) so
+the scheduler can fail the jobs it will never report (requests then fall back to recompute) and carry on with
+the others. Before spawning, :meth:`WorkerCluster.start` checks every rank's config can run and that all host
+pools together fit in available memory, and removes shared-pool files whose owner died. ``close`` shuts workers
+down cleanly (Shutdown, final drain report, join), kills stragglers, and leaves no orphan processes or
+shared-memory files.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class ClusterStep:
 
 DEFAULT_WORKER_TIMEOUT_S = 10.0
 """A worker that sends no heartbeat (nor anything else) for this long is given up as stopped or frozen."""
+
+_FAILED_EXIT_GRACE_S = 10.0
+"""How long a worker that sent ``WorkerFailure`` may take to release what it holds and exit before it is ended."""
 
 
 def _start_ignoring_sigint(proc: BaseProcess) -> None:
@@ -162,6 +166,7 @@ class WorkerCluster:
         self._channels: dict[int, Channel] = {}
         self._last_seen: dict[int, float] = {}
         self.dead: set[int] = set()
+        self._failing: set[int] = set()  # ranks that reported their own failure and are exiting
         self.errors: dict[int, str] = {}
         """Why each dead rank was given up."""
         self.handshakes: dict[int, wire.HandshakeResult] = {}
@@ -271,6 +276,7 @@ class WorkerCluster:
                 if isinstance(message, Heartbeat):
                     continue
                 if isinstance(message, WorkerFailure):
+                    self._failing.add(rank)
                     raise WorkerError(
                         f"worker {rank} failed at step {message.step}: {message.error_type}: {message.message}"
                     )
@@ -326,6 +332,8 @@ class WorkerCluster:
     def _end_process(self, rank: int) -> None:
         """SIGTERM, then SIGKILL (a stopped process only reacts to SIGKILL)."""
         proc = self._procs[rank]
+        if rank in self._failing:
+            proc.join(_FAILED_EXIT_GRACE_S)  # it is closing its hook, pool and tiers on its way out
         if proc.is_alive():
             proc.terminate()
             proc.join(1.0)
