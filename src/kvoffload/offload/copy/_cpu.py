@@ -17,9 +17,10 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -51,6 +52,8 @@ beat 256 KB and 512 KB by 5-10% at 256 KB and 2 MB pages)."""
 
 _VIEW_STRETCH_BYTES = 512 << 10
 """With checksums, block views are copied in stretches of about this many bytes, each hashed right after."""
+
+_Share = TypeVar("_Share")
 
 _xxh3_64 = xxhash.xxh3_64_intdigest
 _foreach_copy = getattr(torch, "_foreach_copy_", None)
@@ -323,69 +326,57 @@ class CpuBackend:
     def _execute_views(self, job: ViewJob, num_bytes: int, slots: BlockSlots | None) -> list[int] | None:
         """Copy a view job (shared with helpers when big), hashing its slots when ``slots`` is given."""
         n = len(job.ends)
-        parts = self._parts if self._helpers is not None and num_bytes >= _PARALLEL_MIN_BYTES else 1
+        parts = self._parts_for(num_bytes)
         step = max(1, _VIEW_STRETCH_BYTES * n // max(num_bytes, 1)) if slots is not None else n
         digests = [0] * n
         host = self._integrity.host
         bounds = [n * k // parts for k in range(parts + 1)]
         shares = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
-        futures = (
-            [self._helpers.submit(_copy_views, job, a, b, step, host, slots, digests) for a, b in shares[1:]]
-            if self._helpers
-            else []
-        )
-        try:
-            if shares:
-                _copy_views(job, *shares[0], step, host, slots, digests)
-        finally:
-            errors = [f.exception() for f in futures]
-        for error in errors:
-            if error is not None:
-                raise error
+        self._run_shares(lambda share: _copy_views(job, *share, step, host, slots, digests), shares)
         return digests if slots is not None else None
 
     def _execute(self, runs: CopyRuns, is_store: bool) -> None:
         if len(runs) == 0:
             return
-        parallel = self._helpers is not None and runs.num_bytes >= _PARALLEL_MIN_BYTES
-        work = _cpu_work(runs, is_store, self._kv.data_ptr(), self._host.data_ptr(), self._parts if parallel else 1)
+        work = _cpu_work(runs, is_store, self._kv.data_ptr(), self._host.data_ptr(), self._parts_for(runs.num_bytes))
         kernel = self._kernel
-        copy: Callable[[np.ndarray, np.ndarray, np.ndarray], None] = (
-            functools.partial(_native_copy, kernel) if kernel is not None else _memmove_arrays
-        )
-        futures = [self._helpers.submit(copy, d, s, n) for d, s, n in work[1:]] if self._helpers else []
-        try:
-            copy(*work[0])
-        finally:
-            errors = [f.exception() for f in futures]  # wait for every helper before reporting
-        for error in errors:
-            if error is not None:
-                raise error
+        copy = functools.partial(_native_copy, kernel) if kernel is not None else _memmove_arrays
+        self._run_shares(lambda share: copy(*share), work)
 
     def _execute_hashed(self, runs: CopyRuns, is_store: bool, slots: BlockSlots) -> Digests:
         """Copy and hash in shares (helpers copy while another share hashes); the slots' digests."""
-        parallel = self._helpers is not None and runs.num_bytes >= _PARALLEL_MIN_BYTES
         kernel = self._kernel
         host_ptr = self._host.data_ptr()
-        work = _hashed_parts(runs, is_store, self._kv.data_ptr(), host_ptr, slots, self._parts if parallel else 1)
-        if kernel is not None:
-            sums = np.zeros(len(slots), dtype=np.uint64)
-            share = functools.partial(
-                _native_copy_and_hash, kernel, host_ptr=host_ptr, digests=sums, stretch=_NATIVE_HASH_BYTES
-            )
-        else:
+        work = _hashed_parts(runs, is_store, self._kv.data_ptr(), host_ptr, slots, self._parts_for(runs.num_bytes))
+        if kernel is None:
             digests = [0] * len(slots)
-            share = functools.partial(_copy_and_hash, host=self._integrity.host, digests=digests, stretch=_HASH_BYTES)
-        futures = [self._helpers.submit(share, w) for w in work[1:]] if self._helpers else []
+            host = self._integrity.host
+            self._run_shares(functools.partial(_copy_and_hash, host=host, digests=digests, stretch=_HASH_BYTES), work)
+            return digests
+        sums = np.zeros(len(slots), dtype=np.uint64)
+        hash_share = functools.partial(
+            _native_copy_and_hash, kernel, host_ptr=host_ptr, digests=sums, stretch=_NATIVE_HASH_BYTES
+        )
+        self._run_shares(hash_share, work)
+        return sums
+
+    def _parts_for(self, num_bytes: int) -> int:
+        """How many threads share a job of ``num_bytes`` (small jobs stay on the direction's thread)."""
+        return self._parts if self._helpers is not None and num_bytes >= _PARALLEL_MIN_BYTES else 1
+
+    def _run_shares(self, run: Callable[[_Share], None], shares: Sequence[_Share]) -> None:
+        """Run every share of a job, the first on this thread and the others on the helpers; wait for all of
+        them before raising the first error (no copy of the job may still run once it is reported)."""
+        helpers = self._helpers
+        futures = [helpers.submit(run, share) for share in shares[1:]] if helpers is not None else []
         try:
-            if work:
-                share(work[0])
+            for share in shares[:1] if helpers is not None else shares:
+                run(share)
         finally:
             errors = [f.exception() for f in futures]
         for error in errors:
             if error is not None:
                 raise error
-        return sums if kernel is not None else digests
 
     def poll(self) -> list[JobResult]:
         with self._cond:
