@@ -13,7 +13,7 @@ _FLAGS = ["-O3", "-fvisibility=hidden", "-std=c11"]
 
 extensions = [
     Extension(
-        "kvoffload.offload.copy._kvcopy",
+        "kvoffload.offload.worker.copy._kvcopy",
         sources=["csrc/kvcopy.c"],
         depends=["csrc/third_party/xxhash/xxhash.h"],
         extra_compile_args=_FLAGS,
@@ -23,7 +23,7 @@ extensions = [
 if platform.machine().lower() in ("x86_64", "amd64"):
     extensions.append(
         Extension(
-            "kvoffload.offload.copy._kvcopy_avx2",
+            "kvoffload.offload.worker.copy._kvcopy_avx2",
             sources=["csrc/kvcopy_avx2.c"],
             depends=["csrc/kvcopy.c", "csrc/third_party/xxhash/xxhash.h"],
             extra_compile_args=[*_FLAGS, "-mavx2"],

@@ -30,9 +30,8 @@ from typing import Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvoffload.offload._manager_results import LookupResult
 from kvoffload.offload.keys import make_offload_key
-from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.manager import HostBlockManager, LookupResult
 
 VLLM_033_KEY_OPS_PER_S = 175_000.0
 """vLLM 0.33 CPUOffloadingManager on this trace shape, measured on the reference machine."""

@@ -51,11 +51,10 @@ from kvoffload.demo import DemoOptions, default_snapshot  # noqa: E402
 from kvoffload.demo.engine import DemoEngine  # noqa: E402
 from kvoffload.demo.sim_engine import fill_blocks, verify_blocks  # noqa: E402
 from kvoffload.metrics import SchedulerMetrics, WorkerMetrics  # noqa: E402
-from kvoffload.offload.copy import CopyEngine, TransferLayout, transfer_layout_from_config  # noqa: E402
-from kvoffload.offload.host_pool import HostPool  # noqa: E402
-from kvoffload.offload.pool_plan import plan_host_pool_from_config  # noqa: E402
+from kvoffload.offload.pool import HostPool, plan_host_pool_from_config  # noqa: E402
 from kvoffload.offload.scheduler import OffloadScheduler  # noqa: E402
 from kvoffload.offload.worker import OffloadWorker  # noqa: E402
+from kvoffload.offload.worker.copy import CopyEngine, TransferLayout, transfer_layout_from_config  # noqa: E402
 from kvoffload.runtime.cluster import ClusterStep  # noqa: E402
 
 _NO_VERIFY = memoryview(Int64Array([0, 0]).tobytes())

@@ -26,10 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kvoffload.tiers._base import TierBase
-from kvoffload.tiers._fs import FsTier
-from kvoffload.tiers._namespace import Namespace
-from kvoffload.tiers._valkey import EmbeddedValkey, ValkeyTier
+from kvoffload.tiers import EmbeddedValkey, FsTier, Namespace, TierBase, ValkeyTier
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

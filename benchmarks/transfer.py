@@ -26,9 +26,8 @@ import torch
 import xxhash
 
 from kvoffload import KVCacheTensor
-from kvoffload.offload.copy import CopyEngine, _native, build_transfer_layout
-from kvoffload.offload.host_pool import HostPool
-from kvoffload.offload.pool_plan import plan_host_pool
+from kvoffload.offload.pool import HostPool, plan_host_pool
+from kvoffload.offload.worker.copy import CopyEngine, _native, build_transfer_layout
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

@@ -10,10 +10,9 @@ import torch
 import kvoffload
 from kvoffload import wire
 from kvoffload.demo import default_snapshot
-from kvoffload.offload.copy import CopyEngine, transfer_layout_from_config
-from kvoffload.offload.host_pool import HostPool
-from kvoffload.offload.pool_plan import plan_host_pool_from_config
+from kvoffload.offload.pool import HostPool, plan_host_pool_from_config
 from kvoffload.offload.worker import OffloadWorker
+from kvoffload.offload.worker.copy import CopyEngine, transfer_layout_from_config
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from kvoffload._translate import translate_snapshot
 from kvoffload.demo import DemoOptions, default_snapshot, shrink_snapshot
 from kvoffload.demo.runner import demo_memory_bytes
 from kvoffload.demo.shrink import format_bytes
-from kvoffload.offload.copy import transfer_layout_from_config
+from kvoffload.offload.worker.copy import transfer_layout_from_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 GiB = 1 << 30

@@ -9,9 +9,9 @@ scheduler process stays light; so do the metrics and KV event names (prometheus_
 
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
-from . import wire
-from ._explain import Decision, Explanation
-from ._generated import (
+from kvoffload import wire
+from kvoffload._explain import Decision, Explanation
+from kvoffload._generated import (
     SCHEMA_FINGERPRINT,
     SCHEMA_VERSION,
     AttentionSpec,
@@ -62,7 +62,7 @@ from ._generated import (
     WorkerReport,
     codecs,
 )
-from ._packed import (
+from kvoffload._packed import (
     Int32Array,
     Int32Bytes,
     Int64Array,
@@ -72,9 +72,9 @@ from ._packed import (
     unpack_int32,
     unpack_int64,
 )
-from ._snapshot import load_snapshot
-from ._translate import build_offloading_config, explain_offloading_config, translate_snapshot
-from .errors import (
+from kvoffload._snapshot import load_snapshot
+from kvoffload._translate import build_offloading_config, explain_offloading_config, translate_snapshot
+from kvoffload.errors import (
     ArgumentTypeError,
     ConfigError,
     DeadlineError,
@@ -89,34 +89,30 @@ from .errors import (
     WireError,
     WorkerError,
 )
-from .offload._manager_results import LookupResult, ManagerStats, OffloadEvent, StorePlan
-from .offload._scheduler_results import ReportOutcome, SchedulerStats
-from .offload.keys import BlockHash, OffloadKey, hash_token_blocks, make_offload_key
-from .offload.manager import HostBlockManager
-from .offload.misses import ChunkMiss
-from .offload.policy import register_policy
-from .offload.scheduler import OffloadScheduler
+from kvoffload.offload.keys import BlockHash, OffloadKey, hash_token_blocks, make_offload_key
+from kvoffload.offload.manager import HostBlockManager, LookupResult, ManagerStats, OffloadEvent, StorePlan
+from kvoffload.offload.manager.policies import register_policy
+from kvoffload.offload.scheduler import ChunkMiss, OffloadScheduler, ReportOutcome, SchedulerStats
 
 if _TYPE_CHECKING:
-    from ._events import KVEventPublisher, KVEventSubscriber
-    from ._runnable import validate_runnable
-    from .metrics import MetricsSnapshot, SchedulerMetrics, WorkerMetrics
-    from .offload.copy import CopyEngine, TransferLayout, transfer_layout_from_config
-    from .offload.host_pool import HostPool
-    from .offload.pool_plan import HostPoolPlan, plan_host_pool, plan_host_pool_from_config
-    from .offload.worker import OffloadWorker
-    from .runtime.cluster import WorkerCluster
-    from .runtime.hooks import WorkerContext, WorkerHook
+    from kvoffload._events import KVEventPublisher, KVEventSubscriber
+    from kvoffload._runnable import validate_runnable
+    from kvoffload.metrics import MetricsSnapshot, SchedulerMetrics, WorkerMetrics
+    from kvoffload.offload.pool import HostPool, HostPoolPlan, plan_host_pool, plan_host_pool_from_config
+    from kvoffload.offload.worker import OffloadWorker
+    from kvoffload.offload.worker.copy import CopyEngine, TransferLayout, transfer_layout_from_config
+    from kvoffload.runtime.cluster import WorkerCluster
+    from kvoffload.runtime.hooks import WorkerContext, WorkerHook
 
 _LAZY = {
-    "CopyEngine": "kvoffload.offload.copy",
-    "TransferLayout": "kvoffload.offload.copy",
-    "transfer_layout_from_config": "kvoffload.offload.copy",
-    "HostPool": "kvoffload.offload.host_pool",
-    "HostPoolPlan": "kvoffload.offload.pool_plan",
-    "plan_host_pool": "kvoffload.offload.pool_plan",
-    "plan_host_pool_from_config": "kvoffload.offload.pool_plan",
-    "OffloadWorker": "kvoffload.offload.worker",
+    "CopyEngine": "kvoffload.offload.worker.copy",
+    "TransferLayout": "kvoffload.offload.worker.copy",
+    "transfer_layout_from_config": "kvoffload.offload.worker.copy",
+    "HostPool": "kvoffload.offload.pool._host_pool",
+    "HostPoolPlan": "kvoffload.offload.pool._plan",
+    "plan_host_pool": "kvoffload.offload.pool._plan",
+    "plan_host_pool_from_config": "kvoffload.offload.pool._plan",
+    "OffloadWorker": "kvoffload.offload.worker._worker",
     "WorkerCluster": "kvoffload.runtime.cluster",
     "WorkerContext": "kvoffload.runtime.hooks",
     "WorkerHook": "kvoffload.runtime.hooks",

@@ -35,14 +35,14 @@ from typing import Any
 
 import msgspec
 
-from ._explain import describe_error
-from ._generated import SCHEMA_FINGERPRINT, SCHEMA_VERSION, codecs
-from ._generated.types import EngineSnapshot, OffloadingConfig
-from ._ints import check_int
-from ._runnable import validate_runnable
-from ._snapshot import DEFAULT_MAX_SNAPSHOT_BYTES, load_snapshot
-from ._translate import explain_snapshot
-from .errors import ConfigError, KVOffloadError
+from kvoffload._explain import describe_error
+from kvoffload._generated import SCHEMA_FINGERPRINT, SCHEMA_VERSION, codecs
+from kvoffload._generated.types import EngineSnapshot, OffloadingConfig
+from kvoffload._ints import check_int
+from kvoffload._runnable import validate_runnable
+from kvoffload._snapshot import DEFAULT_MAX_SNAPSHOT_BYTES, load_snapshot
+from kvoffload._translate import explain_snapshot
+from kvoffload.errors import ConfigError, KVOffloadError
 
 __all__ = ["main"]
 
@@ -177,7 +177,7 @@ def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
 def _run_demo(args: argparse.Namespace) -> int:
     """Build the snapshot, run the demo, print the table; 1 when anything failed verification."""
-    from .demo import DemoOptions, default_snapshot, render_result, run_demo, snapshot_with_overrides
+    from kvoffload.demo import DemoOptions, default_snapshot, render_result, run_demo, snapshot_with_overrides
 
     check_int("--requests", args.requests, 1, value_first=True)
     check_int("--conversations", args.conversations, 1, value_first=True)
@@ -190,8 +190,8 @@ def _run_demo(args: argparse.Namespace) -> int:
             raise ConfigError(f"--workers={args.workers} differs from the snapshot's world_size={world}")
     tiering = None
     if args.tier:
-        from ._generated import TieringConfig
-        from .tiers._config import tier_from_cli
+        from kvoffload._generated import TieringConfig
+        from kvoffload.tiers import tier_from_cli
 
         tiering = TieringConfig(secondary_tiers=tuple(tier_from_cli(t) for t in args.tier))
     options = DemoOptions(
@@ -206,7 +206,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             raise ConfigError(f"--worker-timeout={args.worker_timeout} must be a number of seconds > 0")
         options = dataclasses.replace(options, worker_timeout_s=args.worker_timeout)
     if args.shrink:
-        from .demo import shrink_snapshot
+        from kvoffload.demo import shrink_snapshot
 
         shrunk = shrink_snapshot(snapshot, options)
         print(f"shrunk {args.snapshot or 'the demo snapshot'} to fit this machine: {shrunk.describe()}", flush=True)
@@ -217,7 +217,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         result = run_demo(snapshot, options, progress=not args.no_progress, **kwargs)
         print(render_result(result), end="")
         if args.explain_misses:
-            from .demo import render_misses
+            from kvoffload.demo import render_misses
 
             print(render_misses(result), end="")
         if "events" in kwargs:
@@ -245,7 +245,7 @@ def _demo_observability(args: argparse.Namespace, stack: contextlib.ExitStack) -
     if args.metrics_port is not None:
         from prometheus_client import CollectorRegistry
 
-        from .metrics import SchedulerMetrics, add_worker_collector, serve_metrics
+        from kvoffload.metrics import SchedulerMetrics, add_worker_collector, serve_metrics
 
         metrics_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvoffload-metrics-"))
         registry = CollectorRegistry()
@@ -255,7 +255,7 @@ def _demo_observability(args: argparse.Namespace, stack: contextlib.ExitStack) -
         server = stack.enter_context(serve_metrics(registry, args.metrics_port))
         print(f"serving metrics at {server.url}", file=sys.stderr)
     if args.kv_events is not None:
-        from ._events import KVEventPublisher
+        from kvoffload._events import KVEventPublisher
 
         kwargs["events"] = stack.enter_context(KVEventPublisher(args.kv_events, engine_id="kvoffload-demo"))
     return kwargs

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import zmq
 
-from . import wire
-from ._generated import KVEvent, KVEventBatch
-from ._ints import check_int
-from .errors import ConfigError, WireError
+from kvoffload import wire
+from kvoffload._generated import KVEvent, KVEventBatch
+from kvoffload._ints import check_int
+from kvoffload.errors import ConfigError, WireError
 
 __all__ = ["DEFAULT_TOPIC", "KVEventPublisher", "KVEventSubscriber", "ReceivedBatch", "SequenceGap"]
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, TypeAlias
 
-from ._generated.types import OffloadingConfig
-from .errors import ConfigError, OffloadingConfigError
+from kvoffload._generated.types import OffloadingConfig
+from kvoffload.errors import ConfigError, OffloadingConfigError
 
 __all__ = [
     "Decision",

@@ -6,7 +6,7 @@ and every ceiling division rounds the same way.
 
 from __future__ import annotations
 
-from .errors import ConfigError
+from kvoffload.errors import ConfigError
 
 __all__ = ["cdiv", "check_int", "check_optional_int", "round_up"]
 

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, ClassVar, Literal, NewType, Self, SupportsIndex, overload
 
-from .errors import ArgumentTypeError, ValueOverflowError, WireError
+from kvoffload.errors import ArgumentTypeError, ValueOverflowError, WireError
 
 if TYPE_CHECKING:
     import torch

@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Final
 
-from ._explain import DecisionSink, bare_assertion, discard
-from ._generated.types import (
+from kvoffload._explain import DecisionSink, bare_assertion, discard
+from kvoffload._generated.types import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     DType,
@@ -38,8 +38,8 @@ from ._generated.types import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from ._ints import cdiv, round_up
-from .errors import ConfigError, OffloadingConfigError
+from kvoffload._ints import cdiv, round_up
+from kvoffload.errors import ConfigError, OffloadingConfigError
 
 __all__ = [
     "DTYPE_SIZES",

@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from ._explain import DecisionSink, record_gates
-from ._generated.types import (
+from kvoffload._explain import DecisionSink, record_gates
+from kvoffload._generated.types import (
     AttentionSpec,
     EngineConfig,
     FullAttentionSpec,
@@ -39,7 +39,7 @@ from ._generated.types import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from ._page_math import is_per_token_head, iter_layer_specs, real_page_size_bytes, spec_kind
+from kvoffload._page_math import is_per_token_head, iter_layer_specs, real_page_size_bytes, spec_kind
 
 __all__ = ["ParallelGates", "decide_parallel_gates"]
 

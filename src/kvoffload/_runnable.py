@@ -24,10 +24,10 @@ there reaches the scheduler as a WorkerFailure naming the cause). Of the 20 reco
 
 from __future__ import annotations
 
-from ._generated import EngineSnapshot, OffloadingConfig
-from .errors import ConfigError, HostMemoryError
-from .offload.policy import available_policies
-from .offload.pool_plan import plan_host_pool_from_config
+from kvoffload._generated import EngineSnapshot, OffloadingConfig
+from kvoffload.errors import ConfigError, HostMemoryError
+from kvoffload.offload.manager.policies import available_policies
+from kvoffload.offload.pool import plan_host_pool_from_config
 
 __all__ = ["validate_runnable"]
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import msgspec
 
-from ._generated import codecs
-from ._generated.types import EngineSnapshot
-from ._ints import check_int
-from .errors import ConfigError
+from kvoffload._generated import codecs
+from kvoffload._generated.types import EngineSnapshot
+from kvoffload._ints import check_int
+from kvoffload.errors import ConfigError
 
 __all__ = ["DEFAULT_MAX_SNAPSHOT_BYTES", "load_snapshot"]
 

@@ -35,8 +35,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TypeAlias
 
-from ._explain import DecisionSink, Explanation, Recorder, bare_assertion, discard
-from ._generated.types import (
+from kvoffload._explain import DecisionSink, Explanation, Recorder, bare_assertion, discard
+from kvoffload._generated.types import (
     EngineConfig,
     EngineSnapshot,
     KVCacheConfig,
@@ -50,8 +50,8 @@ from ._generated.types import (
     SlidingWindowMLASpec,
     UniformTypeKVCacheSpecs,
 )
-from ._ints import round_up
-from ._page_math import (
+from kvoffload._ints import round_up
+from kvoffload._page_math import (
     group_kv_bytes_per_block,
     prefix_cacheable,
     resolve_dcp_kv_block_size,
@@ -59,8 +59,8 @@ from ._page_math import (
     sliding_window_size_in_chunks,
     spec_kind,
 )
-from ._parallel_gates import ParallelGates, decide_parallel_gates
-from .errors import ConfigError, OffloadingConfigError
+from kvoffload._parallel_gates import ParallelGates, decide_parallel_gates
+from kvoffload.errors import ConfigError, OffloadingConfigError
 
 __all__ = [
     "build_offloading_config",

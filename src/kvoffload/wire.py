@@ -33,8 +33,8 @@ from typing import Final, Literal, TypeVar
 
 import msgspec
 
-from ._generated import codecs
-from ._generated.types import (
+from kvoffload._generated import codecs
+from kvoffload._generated.types import (
     MESSAGE_TYPES,
     SCHEMA_FINGERPRINT,
     SCHEMA_VERSION,
@@ -43,9 +43,9 @@ from ._generated.types import (
     Message,
     PeerRole,
 )
-from ._ints import check_int
-from ._packed import Buffer
-from .errors import ArgumentTypeError, ConfigError, SchemaMismatchError, WireError
+from kvoffload._ints import check_int
+from kvoffload._packed import Buffer
+from kvoffload.errors import ArgumentTypeError, ConfigError, SchemaMismatchError, WireError
 
 __all__ = [
     "DEFAULT_ENGINE_ID",

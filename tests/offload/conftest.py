@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvoffload.offload.copy import _engine, _native
+from kvoffload.offload.worker.copy import _engine, _native
 
 
 @pytest.fixture

@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.errors import ConfigError, InvalidStateError, TransferError
-from kvoffload.offload import copy as kvcopy
-from kvoffload.offload.copy import (
+from kvoffload.offload.worker import copy as kvcopy
+from kvoffload.offload.pool import HostPool, plan_host_pool
+from kvoffload.offload.worker.copy import (
     CopyEngine,
     CopyRuns,
     IdsLike,
@@ -28,10 +29,8 @@ from kvoffload.offload.copy import (
     build_copy_runs,
     build_transfer_layout,
 )
-from kvoffload.offload.copy import _cpu as cpu
-from kvoffload.offload.copy import _cuda as cuda
-from kvoffload.offload.host_pool import HostPool
-from kvoffload.offload.pool_plan import plan_host_pool
+from kvoffload.offload.worker.copy import _cpu as cpu
+from kvoffload.offload.worker.copy import _cuda as cuda
 from tests.helpers import Placement, offloading_config
 
 pytestmark = pytest.mark.usefixtures("copy_path")  # every test runs on the native and the pure-Python path

@@ -17,9 +17,9 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvoffload.offload.copy import CopyRuns, _native
-from kvoffload.offload.copy import _cpu as cpu
-from kvoffload.offload.integrity import BlockSlots
+from kvoffload.offload.pool import BlockSlots
+from kvoffload.offload.worker.copy import CopyRuns, _native
+from kvoffload.offload.worker.copy import _cpu as cpu
 
 
 @st.composite

@@ -9,12 +9,12 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.offload.copy import CopyEngine, CopySegment, GroupLayout, TransferLayout, build_copy_runs
-from kvoffload.offload.copy import _cpu as cpu
-from kvoffload.offload.copy import _views as views
-from kvoffload.offload.copy._views import BlockViews, _group_pieces
-from kvoffload.offload.host_pool import HostPool
-from kvoffload.offload.integrity import SEALED
+from kvoffload.offload.pool import HostPool
+from kvoffload.offload.pool._integrity import SEALED
+from kvoffload.offload.worker.copy import CopyEngine, CopySegment, GroupLayout, TransferLayout, build_copy_runs
+from kvoffload.offload.worker.copy import _cpu as cpu
+from kvoffload.offload.worker.copy import _views as views
+from kvoffload.offload.worker.copy._views import BlockViews, _group_pieces
 from tests.offload.test_copy_engine import (
     Engine,
     jobs,

@@ -13,9 +13,14 @@ import pytest
 import torch
 
 from kvoffload.errors import ConfigError, HostMemoryError, InvalidStateError, WorkerError
-from kvoffload.offload._pool_files import shared_pool_path
-from kvoffload.offload.host_pool import HostPool
-from kvoffload.offload.pool_plan import PAGE_SIZE, HostPoolPlan, plan_host_pool, plan_host_pool_from_config
+from kvoffload.offload.pool import (
+    PAGE_SIZE,
+    HostPool,
+    HostPoolPlan,
+    plan_host_pool,
+    plan_host_pool_from_config,
+    shared_pool_path,
+)
 from tests.helpers import offloading_config
 
 

@@ -16,15 +16,15 @@ from hypothesis import strategies as st
 
 from kvoffload import JobResult
 from kvoffload._packed import unpack_int64
-from kvoffload.offload.copy import (
+from kvoffload.offload.keys import key_tag
+from kvoffload.offload.pool import HostPool, HostPoolPlan, plan_host_pool
+from kvoffload.offload.pool._integrity import SEALED, TAGGED
+from kvoffload.offload.worker.copy import (
     CopyEngine,
     TransferLayout,
     build_block_slots,
     build_transfer_layout,
 )
-from kvoffload.offload.host_pool import HostPool
-from kvoffload.offload.integrity import SEALED, TAGGED, key_tag
-from kvoffload.offload.pool_plan import HostPoolPlan, plan_host_pool
 from tests.helpers import Placement
 
 pytestmark = pytest.mark.usefixtures("copy_path")  # every test runs on the native and the pure-Python path
@@ -374,8 +374,8 @@ def test_a_store_invalidates_its_entries_until_its_copy_completes(
 ) -> None:
     import threading
 
-    from kvoffload.offload import copy as kvcopy
-    from kvoffload.offload.copy import _cpu as cpu
+    from kvoffload.offload.worker import copy as kvcopy
+    from kvoffload.offload.worker.copy import _cpu as cpu
 
     mover, pool, _ = private
     tag = [key_tag(b"k")]

@@ -14,12 +14,11 @@ import kvoffload
 from kvoffload import BlockRemoved, wire
 from kvoffload.demo import default_snapshot
 from kvoffload.demo.sim_engine import block_seed, fill_blocks, verify_blocks
-from kvoffload.offload._manager_results import LookupResult
-from kvoffload.offload.copy import CopyEngine, TransferLayout, transfer_layout_from_config
-from kvoffload.offload.host_pool import HostPool
 from kvoffload.offload.keys import chunk_keys, offload_key_hash
-from kvoffload.offload.pool_plan import plan_host_pool_from_config
+from kvoffload.offload.manager import LookupResult
+from kvoffload.offload.pool import HostPool, plan_host_pool_from_config
 from kvoffload.offload.worker import OffloadWorker
+from kvoffload.offload.worker.copy import CopyEngine, TransferLayout, transfer_layout_from_config
 
 TOKENS = list(range(1, 129))  # 8 blocks of 16 tokens
 

@@ -15,11 +15,9 @@ from types import ModuleType
 import pytest
 
 from kvoffload.errors import ConfigError, InvalidStateError
-from kvoffload.offload._arc_policy import ARCPolicy
-from kvoffload.offload._lru_policy import LRUPolicy
-from kvoffload.offload._manager_results import LookupResult, ManagerStats, OffloadEvent, StorePlan
 from kvoffload.offload.keys import make_offload_key
-from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.manager import HostBlockManager, LookupResult, ManagerStats, OffloadEvent, StorePlan
+from kvoffload.offload.manager.policies import ARCPolicy, LRUPolicy
 
 MISS = LookupResult.MISS
 HIT = LookupResult.HIT

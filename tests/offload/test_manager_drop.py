@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvoffload.errors import InvalidStateError
-from kvoffload.offload._manager_results import LookupResult, OffloadEvent
 from kvoffload.offload.keys import make_offload_key
-from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.manager import HostBlockManager, LookupResult, OffloadEvent
 
 
 def k(i: int) -> bytes:

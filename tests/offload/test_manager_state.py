@@ -16,8 +16,7 @@ from hypothesis import event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvoffload.errors import InvalidStateError
-from kvoffload.offload._manager_results import LookupResult, OffloadEvent
-from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.manager import HostBlockManager, LookupResult, OffloadEvent
 
 KEYS = [b"key-%02d" % i + b"\x00\x00\x00\x00" for i in range(12)]
 key_lists = st.lists(st.sampled_from(KEYS), max_size=6)

@@ -14,7 +14,7 @@ from hypothesis.stateful import rule
 
 from kvoffload import MissReason
 from kvoffload.errors import InvalidStateError
-from kvoffload.offload._manager_results import LookupResult
+from kvoffload.offload.manager import LookupResult
 from tests.offload.test_manager_state import KEYS, PENDING, ManagerMachine, key_lists
 
 REMOVE_REASONS = st.sampled_from([MissReason.CORRUPT, MissReason.TIER_UNAVAILABLE])

@@ -8,12 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvoffload.offload.policy as policy_module
+import kvoffload.offload.manager.policies._registry as policy_module
 from kvoffload.errors import ConfigError
-from kvoffload.offload._arc_policy import ARCPolicy
-from kvoffload.offload._cache_policy import CachePolicy
-from kvoffload.offload._lru_policy import LRUPolicy
-from kvoffload.offload.policy import available_policies, make_policy, register_policy
+from kvoffload.offload.manager.policies import (
+    ARCPolicy,
+    CachePolicy,
+    LRUPolicy,
+    available_policies,
+    make_policy,
+    register_policy,
+)
 
 
 def k(i: int) -> bytes:

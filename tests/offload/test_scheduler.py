@@ -18,9 +18,8 @@ from kvoffload import (
     WorkerReport,
 )
 from kvoffload._packed import unpack_int32, unpack_int64
-from kvoffload.offload._manager_results import LookupResult
 from kvoffload.offload.keys import make_offload_key
-from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.manager import HostBlockManager, LookupResult
 from kvoffload.offload.scheduler import OffloadScheduler
 from tests.helpers import offloading_config
 

@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvoffload import JobResult, WorkerReport
-from kvoffload.offload._manager_results import LookupResult
-from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.manager import HostBlockManager, LookupResult
 from kvoffload.offload.scheduler import OffloadScheduler
 from tests.helpers import offloading_config
 

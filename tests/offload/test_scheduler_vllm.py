@@ -17,12 +17,10 @@ import pytest
 from kvoffload import JobResult, StepPlan, WorkerReport
 from kvoffload._packed import unpack_int32, unpack_int64
 from kvoffload.errors import ConfigError
-from kvoffload.offload._manager_results import LookupResult
 from kvoffload.offload.keys import make_offload_key
-from kvoffload.offload.lookup import maximal_prefix_lookup, sliding_window_lookup
-from kvoffload.offload.manager import HostBlockManager
-from kvoffload.offload.policy import make_policy
-from kvoffload.offload.scheduler import OffloadScheduler
+from kvoffload.offload.manager import HostBlockManager, LookupResult
+from kvoffload.offload.manager.policies import make_policy
+from kvoffload.offload.scheduler import OffloadScheduler, maximal_prefix_lookup, sliding_window_lookup
 from tests.helpers import offloading_config
 
 H = LookupResult.HIT

@@ -33,9 +33,8 @@ from kvoffload import (
     build_offloading_config,
 )
 from kvoffload._page_math import page_size_bytes, real_page_size_bytes
-from kvoffload.offload.copy import CopyEngine, transfer_layout_from_config
-from kvoffload.offload.host_pool import HostPool
-from kvoffload.offload.pool_plan import plan_host_pool_from_config
+from kvoffload.offload.pool import HostPool, plan_host_pool_from_config
+from kvoffload.offload.worker.copy import CopyEngine, transfer_layout_from_config
 
 LAYERS = ("l0", "l1", "l2")
 NUM_BLOCKS = 12

@@ -9,10 +9,9 @@ import torch
 
 from kvoffload import StepPlan, TransferJob
 from kvoffload._packed import pack_int64
-from kvoffload.offload.copy import CopyEngine, build_transfer_layout
-from kvoffload.offload.host_pool import HostPool
-from kvoffload.offload.pool_plan import plan_host_pool
+from kvoffload.offload.pool import HostPool, plan_host_pool
 from kvoffload.offload.worker import OffloadWorker
+from kvoffload.offload.worker.copy import CopyEngine, build_transfer_layout
 from tests.helpers import Placement, transfer_job
 
 PAGE = 256

@@ -27,11 +27,16 @@ from kvoffload._packed import pack_int64
 from kvoffload._translate import translate_snapshot
 from kvoffload.demo import DemoOptions, default_snapshot, run_demo, snapshot_with_overrides
 from kvoffload.demo.worker_hook import HOOK
-from kvoffload.offload._manager_results import LookupResult
-from kvoffload.offload._pool_files import available_host_memory_bytes, check_pools_fit, owned_pool_id, sweep_stale_pools
-from kvoffload.offload.host_pool import HostPool
-from kvoffload.offload.manager import HostBlockManager
-from kvoffload.offload.pool_plan import plan_host_pool, plan_host_pool_from_config
+from kvoffload.offload.manager import HostBlockManager, LookupResult
+from kvoffload.offload.pool import (
+    HostPool,
+    available_host_memory_bytes,
+    check_pools_fit,
+    owned_pool_id,
+    plan_host_pool,
+    plan_host_pool_from_config,
+    sweep_stale_pools,
+)
 from kvoffload.offload.scheduler import OffloadScheduler
 from kvoffload.runtime._channel import Channel
 from kvoffload.runtime.cluster import WorkerCluster
@@ -239,9 +244,9 @@ def test_segment_of_a_killed_owner_is_swept(tmp_path: Path) -> None:
     """SIGKILL right after the shared pool file is created leaves it behind; the next sweep removes it."""
     code = (
         "import sys, time\n"
-        "from kvoffload.offload.host_pool import HostPool\n"
-        "from kvoffload.offload._pool_files import owned_pool_id\n"
-        "from kvoffload.offload.pool_plan import plan_host_pool\n"
+        "from kvoffload.offload.pool._host_pool import HostPool\n"
+        "from kvoffload.offload.pool._files import owned_pool_id\n"
+        "from kvoffload.offload.pool._plan import plan_host_pool\n"
         "plan = plan_host_pool(worker_kv_bytes_per_block=4096, world_size=1, blocks_per_chunk=1,\n"
         "                      cpu_bytes_to_use=1 << 20, replicated=False, rank=0)\n"
         "pool = HostPool(plan, engine_id=owned_pool_id('leak'), shm_dir=sys.argv[1])\n"

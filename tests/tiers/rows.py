@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvoffload.tiers._base import SecondaryTier
-from kvoffload.tiers._namespace import Namespace, namespace_for
+from kvoffload.tiers import Namespace, SecondaryTier, namespace_for
 from tests.helpers import offloading_config
 
 

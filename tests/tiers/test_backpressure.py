@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvoffload._generated import BackpressureConfig
 from kvoffload.errors import ConfigError
-from kvoffload.tiers._backpressure import BackpressureSettings, EMABackpressureDetector, resolve_backpressure
+from kvoffload.tiers import BackpressureSettings, EMABackpressureDetector, resolve_backpressure
 
 MiB = 1 << 20
 

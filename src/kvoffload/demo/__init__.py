@@ -20,11 +20,11 @@ non-zero. The demo is an application of the runtime: the forward pass runs in th
 
 from __future__ import annotations
 
-from .report import DemoResult, render_misses, render_result
-from .runner import run_demo
-from .shrink import Shrunk, shrink_snapshot
-from .snapshots import default_snapshot, snapshot_with_overrides
-from .workload import DemoOptions
+from kvoffload.demo.report import DemoResult, render_misses, render_result
+from kvoffload.demo.runner import run_demo
+from kvoffload.demo.shrink import Shrunk, shrink_snapshot
+from kvoffload.demo.snapshots import default_snapshot, snapshot_with_overrides
+from kvoffload.demo.workload import DemoOptions
 
 __all__ = [
     "DemoOptions",

@@ -12,24 +12,24 @@ import random
 from collections import deque
 from typing import TYPE_CHECKING
 
-from .._generated import EngineSnapshot, OffloadingConfig, StepPlan
-from .._packed import Int32Array, Int64Array
-from .._translate import translate_snapshot
-from ..errors import ConfigError
-from ..offload.keys import hash_token_blocks
-from ..offload.manager import HostBlockManager
-from ..offload.pool_plan import plan_host_pool_from_config
-from ..offload.scheduler import OffloadScheduler
-from ..runtime.cluster import WorkerCluster
-from ..tiers._cascade import TieredScheduler
-from .report import DemoResult
-from .sim_engine import block_seed
-from .worker_hook import step_attachments, step_stats
-from .workload import BlockPool, DemoOptions, Request, Workload
+from kvoffload._generated import EngineSnapshot, OffloadingConfig, StepPlan
+from kvoffload._packed import Int32Array, Int64Array
+from kvoffload._translate import translate_snapshot
+from kvoffload.demo.report import DemoResult
+from kvoffload.demo.sim_engine import block_seed
+from kvoffload.demo.worker_hook import step_attachments, step_stats
+from kvoffload.demo.workload import BlockPool, DemoOptions, Request, Workload
+from kvoffload.errors import ConfigError
+from kvoffload.offload.keys import hash_token_blocks
+from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.pool import plan_host_pool_from_config
+from kvoffload.offload.scheduler import OffloadScheduler
+from kvoffload.runtime.cluster import WorkerCluster
+from kvoffload.tiers import TieredScheduler
 
 if TYPE_CHECKING:
-    from .._events import KVEventPublisher
-    from ..metrics import SchedulerMetrics
+    from kvoffload._events import KVEventPublisher
+    from kvoffload.metrics import SchedulerMetrics
 
 __all__ = ["DemoEngine"]
 

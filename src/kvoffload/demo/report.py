@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..tiers._cascade import TierStatsRow
+from kvoffload.tiers import TierStatsRow
 
 __all__ = ["DemoResult", "render_misses", "render_result"]
 
@@ -116,7 +116,7 @@ def render_misses(result: DemoResult) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    from .._generated import MissReason
+    from kvoffload._generated import MissReason
 
     table = Table(title="why lookups missed", show_header=True)
     table.add_column("reason")

@@ -12,22 +12,20 @@ import dataclasses
 import time
 from typing import TYPE_CHECKING
 
-from .._generated import EngineSnapshot, OffloadingConfig
-from .._translate import translate_snapshot
-from ..errors import DeadlineError, HostMemoryError
-from ..offload._pool_files import available_host_memory_bytes
-from ..offload.pool_plan import plan_host_pool_from_config
-from ..runtime.cluster import WorkerCluster
-from ..tiers._cascade import TieredScheduler, start_embedded_servers
-from ..tiers._valkey import EmbeddedValkey
-from .engine import DemoEngine
-from .report import DemoResult
-from .worker_hook import HOOK, memcpy_gbps_of
-from .workload import DEFAULT_OPTIONS, DemoOptions, check_workload_fits
+from kvoffload._generated import EngineSnapshot, OffloadingConfig
+from kvoffload._translate import translate_snapshot
+from kvoffload.demo.engine import DemoEngine
+from kvoffload.demo.report import DemoResult
+from kvoffload.demo.worker_hook import HOOK, memcpy_gbps_of
+from kvoffload.demo.workload import DEFAULT_OPTIONS, DemoOptions, check_workload_fits
+from kvoffload.errors import DeadlineError, HostMemoryError
+from kvoffload.offload.pool import available_host_memory_bytes, plan_host_pool_from_config
+from kvoffload.runtime.cluster import WorkerCluster
+from kvoffload.tiers import EmbeddedValkey, TieredScheduler, start_embedded_servers
 
 if TYPE_CHECKING:
-    from .._events import KVEventPublisher
-    from ..metrics import SchedulerMetrics
+    from kvoffload._events import KVEventPublisher
+    from kvoffload.metrics import SchedulerMetrics
 
 __all__ = ["MEMORY_SHARE", "demo_memory_bytes", "run_demo"]
 

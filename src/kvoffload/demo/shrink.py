@@ -16,14 +16,13 @@ from dataclasses import dataclass
 
 import msgspec
 
-from .._generated import EngineSnapshot, KVCacheTensor, OffloadingConfig
-from .._translate import translate_snapshot
-from ..errors import ConfigError, HostMemoryError
-from ..offload._pool_files import available_host_memory_bytes
-from ..offload.pool_plan import plan_host_pool_from_config
-from .runner import MEMORY_SHARE, demo_memory_bytes
-from .snapshots import snapshot_with_overrides
-from .workload import DEFAULT_OPTIONS, DemoOptions, longest_conversation_tokens
+from kvoffload._generated import EngineSnapshot, KVCacheTensor, OffloadingConfig
+from kvoffload._translate import translate_snapshot
+from kvoffload.demo.runner import MEMORY_SHARE, demo_memory_bytes
+from kvoffload.demo.snapshots import snapshot_with_overrides
+from kvoffload.demo.workload import DEFAULT_OPTIONS, DemoOptions, longest_conversation_tokens
+from kvoffload.errors import ConfigError, HostMemoryError
+from kvoffload.offload.pool import available_host_memory_bytes, plan_host_pool_from_config
 
 __all__ = ["DEFAULT_SHRINK_BYTES", "Shrunk", "format_bytes", "shrink_snapshot"]
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..offload.copy import TransferLayout
+from kvoffload.offload.worker.copy import TransferLayout
 
 __all__ = ["block_seed", "fill_blocks", "verify_blocks"]
 

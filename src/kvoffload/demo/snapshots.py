@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from .._generated import (
+from kvoffload._generated import (
     CacheConfig,
     DType,
     EngineConfig,
@@ -17,7 +17,7 @@ from .._generated import (
     ModelConfig,
     ParallelConfig,
 )
-from ..errors import ConfigError
+from kvoffload.errors import ConfigError
 
 __all__ = ["MiB", "default_snapshot", "snapshot_with_overrides"]
 

@@ -16,11 +16,11 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .._generated import StepPlan, WorkerReport
-from .._packed import Int64Array
-from ..errors import ConfigError, WireError
-from ..runtime.hooks import WorkerContext
-from .sim_engine import fill_blocks, verify_blocks
+from kvoffload._generated import StepPlan, WorkerReport
+from kvoffload._packed import Int64Array
+from kvoffload.demo.sim_engine import fill_blocks, verify_blocks
+from kvoffload.errors import ConfigError, WireError
+from kvoffload.runtime.hooks import WorkerContext
 
 __all__ = ["HOOK", "DemoHook", "memcpy_gbps_of", "step_attachments", "step_stats"]
 

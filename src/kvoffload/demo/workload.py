@@ -7,11 +7,11 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .._generated import OffloadingGroupConfig, TieringConfig
-from ..errors import ConfigError
-from ..offload.keys import BlockHash, hash_token_blocks
-from ..runtime.cluster import DEFAULT_WORKER_TIMEOUT_S
-from .snapshots import MiB
+from kvoffload._generated import OffloadingGroupConfig, TieringConfig
+from kvoffload.demo.snapshots import MiB
+from kvoffload.errors import ConfigError
+from kvoffload.offload.keys import BlockHash, hash_token_blocks
+from kvoffload.runtime.cluster import DEFAULT_WORKER_TIMEOUT_S
 
 __all__ = [
     "DEFAULT_OPTIONS",

@@ -24,11 +24,11 @@ an engine integration can forward to its own stats system and :meth:`MetricsSnap
 
 from __future__ import annotations
 
-from ._multiprocess import MULTIPROC_ENV, add_worker_collector, mark_worker_dead, multiprocess_env
-from ._samples import HistogramSample, MetricSample, MetricsSnapshot
-from ._scheduler import ALLOCATION_BUCKETS, SchedulerMetrics
-from ._server import MetricsServer, serve_metrics
-from ._worker import SIZE_BUCKETS, TIME_BUCKETS, WorkerMetrics
+from kvoffload.metrics._multiprocess import MULTIPROC_ENV, add_worker_collector, mark_worker_dead, multiprocess_env
+from kvoffload.metrics._samples import HistogramSample, MetricSample, MetricsSnapshot
+from kvoffload.metrics._scheduler import ALLOCATION_BUCKETS, SchedulerMetrics
+from kvoffload.metrics._server import MetricsServer, serve_metrics
+from kvoffload.metrics._worker import SIZE_BUCKETS, TIME_BUCKETS, WorkerMetrics
 
 __all__ = [
     "ALLOCATION_BUCKETS",

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from ..errors import ConfigError
+from kvoffload.errors import ConfigError
 
 __all__ = ["MULTIPROC_ENV", "add_worker_collector", "mark_worker_dead", "multiprocess_env"]
 

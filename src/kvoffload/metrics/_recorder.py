@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ..errors import ConfigError
-from ._samples import HistogramSample, MetricSample, MetricsSnapshot
+from kvoffload.errors import ConfigError
+from kvoffload.metrics._samples import HistogramSample, MetricSample, MetricsSnapshot
 
 PREFIX = "kvoffload"
 """Prefix of every series name (``kvoffload_load_bytes``)."""

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from .._generated import MissReason
-from ..errors import ConfigError
-from ._recorder import _DEFAULT_MAX_SAMPLES, _BoundCounter, _check_tier, _Recorder
-from ._samples import MetricsSnapshot
+from kvoffload._generated import MissReason
+from kvoffload.errors import ConfigError
+from kvoffload.metrics._recorder import _DEFAULT_MAX_SAMPLES, _BoundCounter, _check_tier, _Recorder
+from kvoffload.metrics._samples import MetricsSnapshot
 
 if TYPE_CHECKING:
-    from ..offload.scheduler import OffloadScheduler
+    from kvoffload.offload.scheduler import OffloadScheduler
 
 __all__ = ["ALLOCATION_BUCKETS", "SchedulerMetrics"]
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from ..errors import ConfigError
+from kvoffload.errors import ConfigError
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer

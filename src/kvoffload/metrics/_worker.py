@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from .._generated import WorkerReport
-from ._recorder import _DEFAULT_MAX_SAMPLES, _check_tier, _Recorder
-from ._samples import MetricsSnapshot
+from kvoffload._generated import WorkerReport
+from kvoffload.metrics._recorder import _DEFAULT_MAX_SAMPLES, _check_tier, _Recorder
+from kvoffload.metrics._samples import MetricsSnapshot
 
 __all__ = ["SIZE_BUCKETS", "TIME_BUCKETS", "WorkerMetrics"]
 

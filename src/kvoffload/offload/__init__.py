@@ -1,12 +1,16 @@
-"""The offloading backend: what to move (scheduler side) and moving it (worker side).
+"""The offloading backend, in the order one engine step flows through it.
 
-Public modules (the ``_``-prefixed ones are their implementation):
+Scheduler side (torch-free; what an engine's scheduler process imports):
 
-* ``keys`` - offload keys (block hash + group id) and chunk arithmetic, a reference block hasher.
-* ``policy`` / ``manager`` - the host block manager with LRU and ARC eviction (vLLM 0.33 semantics).
-* ``lookup`` / ``misses`` - the per-group chunk scans of a lookup, and why a wanted chunk was not loaded.
+* ``keys`` - offload keys (block hash + group id), chunk arithmetic, key tags, a reference block hasher.
+* ``manager`` (with ``policies``) - which key lives in which host chunk, LRU and ARC eviction (vLLM 0.33).
 * ``scheduler`` - per-request lookup, load and store decisions, one ``StepPlan`` per engine step.
-* ``pool_plan`` / ``host_pool`` - how many chunk rows fit the host budget, and the pool itself.
-* ``copy`` / ``integrity`` / ``worker`` - asynchronous page copies, the per-sub-block key tags and checksums,
-  StepPlan execution (torch; imported only when used).
+
+Between the two:
+
+* ``pool`` - how many chunk rows fit the host budget (torch-free), the pool and its integrity table (torch).
+
+Worker side (torch; imported only when used):
+
+* ``worker`` (with ``copy``) - StepPlan execution and asynchronous page copies.
 """

@@ -17,6 +17,8 @@ import struct
 from collections.abc import Sequence
 from typing import NewType
 
+import xxhash
+
 from kvoffload._ints import check_int
 from kvoffload.errors import ConfigError
 
@@ -29,6 +31,8 @@ __all__ = [
     "chunk_keys",
     "hash_token_blocks",
     "hashes_per_chunk",
+    "key_tag",
+    "key_tags",
     "make_offload_key",
     "offload_key_group",
     "offload_key_hash",
@@ -177,3 +181,16 @@ def hash_token_blocks(
 def _in_int64(value: int) -> bool:
     """Tell whether ``value`` fits a signed 64-bit integer."""
     return _INT64_MIN <= value <= _INT64_MAX
+
+
+def key_tag(key: bytes) -> int:
+    """The 64-bit tag of an offload key (signed, to travel in an ``array<int64>``); never 0 (= untagged)."""
+    value = xxhash.xxh3_64_intdigest(key)
+    if value >= 1 << 63:
+        value -= 1 << 64
+    return value or 1
+
+
+def key_tags(keys: Sequence[bytes]) -> list[int]:
+    """:func:`key_tag` of each key."""
+    return [key_tag(key) for key in keys]

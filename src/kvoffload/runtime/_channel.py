@@ -15,10 +15,10 @@ import threading
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
-from .. import wire
-from .._generated import Message
-from .._ints import check_int
-from ..errors import DeadlineError, WireError, WorkerError
+from kvoffload import wire
+from kvoffload._generated import Message
+from kvoffload._ints import check_int
+from kvoffload.errors import DeadlineError, WireError, WorkerError
 
 __all__ = ["DEFAULT_MAX_ATTACHMENTS", "DEFAULT_MAX_ATTACHMENT_BYTES", "Channel"]
 

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
-from .. import wire
-from .._generated import (
+from kvoffload import wire
+from kvoffload._generated import (
     EngineSnapshot,
     Heartbeat,
     Hello,
@@ -45,17 +45,16 @@ from .._generated import (
     WorkerReport,
     codecs,
 )
-from .._translate import translate_snapshot
-from ..errors import ConfigError, WireError, WorkerError
-from ..offload.copy import CopyEngine, TransferLayout, transfer_layout_from_config
-from ..offload.host_pool import HostPool
-from ..offload.pool_plan import plan_host_pool_from_config
-from ..offload.worker import OffloadWorker
-from ._channel import Channel
-from .hooks import WorkerContext, WorkerHook, decode_hook_options, make_hook
+from kvoffload._translate import translate_snapshot
+from kvoffload.errors import ConfigError, WireError, WorkerError
+from kvoffload.offload.pool import HostPool, plan_host_pool_from_config
+from kvoffload.offload.worker import OffloadWorker
+from kvoffload.offload.worker.copy import CopyEngine, TransferLayout, transfer_layout_from_config
+from kvoffload.runtime._channel import Channel
+from kvoffload.runtime.hooks import WorkerContext, WorkerHook, decode_hook_options, make_hook
 
 if TYPE_CHECKING:
-    from ..metrics import WorkerMetrics
+    from kvoffload.metrics import WorkerMetrics
 
 __all__ = ["WorkerSpec", "rank_config", "run_worker"]
 
@@ -144,7 +143,7 @@ def _open_session(spec: WorkerSpec) -> _Session:
     try:
         engine = CopyEngine(kv, layout, pool, cpu_threads=spec.torch_threads, checksums=spec.checksums)
         if spec.tiering_json is not None:
-            from ..tiers._worker import TierWorker
+            from kvoffload.tiers import TierWorker
 
             tiering = msgspec.json.decode(spec.tiering_json, type=TieringConfig)
             tiers = TierWorker(tiering, config, pool, checksums=spec.checksums)
@@ -184,7 +183,7 @@ def _worker_metrics(spec: WorkerSpec) -> WorkerMetrics | None:
         )
     from prometheus_client import CollectorRegistry
 
-    from ..metrics import WorkerMetrics
+    from kvoffload.metrics import WorkerMetrics
 
     return WorkerMetrics(CollectorRegistry(), max_samples=0)
 

@@ -28,8 +28,8 @@ from multiprocessing.process import BaseProcess
 
 import msgspec
 
-from .. import wire
-from .._generated import (
+from kvoffload import wire
+from kvoffload._generated import (
     EngineSnapshot,
     Heartbeat,
     Hello,
@@ -41,13 +41,18 @@ from .._generated import (
     WorkerReport,
     codecs,
 )
-from .._runnable import validate_runnable
-from ..errors import ConfigError, WireError, WorkerError
-from ..offload._pool_files import check_pools_fit, owned_pool_id, shared_pool_path, sweep_stale_pools
-from ..offload.pool_plan import plan_host_pool_from_config
-from ._channel import Channel
-from ._worker_process import WorkerSpec, rank_config, run_worker
-from .hooks import HookOptions, encode_hook_options, load_hook
+from kvoffload._runnable import validate_runnable
+from kvoffload.errors import ConfigError, WireError, WorkerError
+from kvoffload.offload.pool import (
+    check_pools_fit,
+    owned_pool_id,
+    plan_host_pool_from_config,
+    shared_pool_path,
+    sweep_stale_pools,
+)
+from kvoffload.runtime._channel import Channel
+from kvoffload.runtime._worker_process import WorkerSpec, rank_config, run_worker
+from kvoffload.runtime.hooks import HookOptions, encode_hook_options, load_hook
 
 __all__ = ["ClusterStep", "WorkerCluster"]
 
@@ -196,7 +201,7 @@ class WorkerCluster:
         try:
             with contextlib.ExitStack() as env:
                 if self.metrics_dir is not None:
-                    from ..metrics import multiprocess_env
+                    from kvoffload.metrics import multiprocess_env
 
                     env.enter_context(multiprocess_env(self.metrics_dir))  # inherited by the spawned workers
                 for spec in self._specs:
@@ -231,7 +236,7 @@ class WorkerCluster:
     def _forget_metrics(self, proc: BaseProcess) -> None:
         """Tell the multiprocess metrics that an exited worker's live gauges are gone."""
         if self.metrics_dir is not None and proc.pid is not None and not proc.is_alive():
-            from ..metrics import mark_worker_dead
+            from kvoffload.metrics import mark_worker_dead
 
             mark_worker_dead(proc.pid, self.metrics_dir)
 

@@ -30,9 +30,9 @@ from typing import Protocol, runtime_checkable
 import msgspec
 import torch
 
-from .._generated import OffloadingConfig, StepPlan, WorkerReport
-from ..errors import ConfigError
-from ..offload.copy import TransferLayout
+from kvoffload._generated import OffloadingConfig, StepPlan, WorkerReport
+from kvoffload.errors import ConfigError
+from kvoffload.offload.worker.copy import TransferLayout
 
 __all__ = [
     "HookOptions",

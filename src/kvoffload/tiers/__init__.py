@@ -7,7 +7,7 @@ on :class:`~kvoffload.tiers.TierBase`; the config types are generated from the s
 
 from __future__ import annotations
 
-from .._generated import (
+from kvoffload._generated import (
     BackpressureConfig,
     CustomTierConfig,
     FsTierConfig,
@@ -17,14 +17,14 @@ from .._generated import (
     TierJobResult,
     ValkeyTierConfig,
 )
-from ._backpressure import BackpressureSettings, EMABackpressureDetector, resolve_backpressure
-from ._base import SecondaryTier, TierBase, TierIOResult, TierStats
-from ._cascade import TieredScheduler, TierStatsRow, start_embedded_servers
-from ._config import open_tier, tier_from_cli, tiering_config_from_extra
-from ._fs import FsTier
-from ._namespace import Namespace, namespace_for, namespaces_for_all_ranks
-from ._valkey import EmbeddedValkey, ValkeyTier
-from ._worker import TierWorker
+from kvoffload.tiers._backpressure import BackpressureSettings, EMABackpressureDetector, resolve_backpressure
+from kvoffload.tiers._base import SecondaryTier, TierBase, TierIOResult, TierStats
+from kvoffload.tiers._cascade import TieredScheduler, TierStatsRow, start_embedded_servers
+from kvoffload.tiers._config import open_tier, tier_from_cli, tiering_config_from_extra
+from kvoffload.tiers._fs import FsTier
+from kvoffload.tiers._namespace import Namespace, namespace_for, namespaces_for_all_ranks
+from kvoffload.tiers._valkey import EmbeddedValkey, ValkeyTier
+from kvoffload.tiers._worker import TierWorker
 
 __all__ = [
     "BackpressureConfig",

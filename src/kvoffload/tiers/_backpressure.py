@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .._generated import BackpressureConfig
-from ..errors import ConfigError
+from kvoffload._generated import BackpressureConfig
+from kvoffload.errors import ConfigError
 
 __all__ = ["BackpressureSettings", "EMABackpressureDetector", "resolve_backpressure"]
 

@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from .._ints import cdiv
-from ..errors import InvalidStateError, RecordError, TierError
+from kvoffload._ints import cdiv
+from kvoffload.errors import InvalidStateError, RecordError, TierError
 
 __all__ = ["SecondaryTier", "TierBase", "TierIOResult", "TierStats"]
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from .._generated import (
+from kvoffload._generated import (
     FsTierConfig,
     OffloadingConfig,
     SecondaryTierConfig,
@@ -44,17 +44,16 @@ from .._generated import (
     ValkeyTierConfig,
     WorkerReport,
 )
-from .._packed import Int32Array, pack_int64
-from ..errors import InvalidStateError
-from ..offload._scheduler_results import ReportOutcome
-from ..offload.keys import OffloadKey
-from ..offload.manager import HostBlockManager
-from ..offload.scheduler import OffloadScheduler
-from ._backpressure import EMABackpressureDetector, resolve_backpressure
-from ._base import SecondaryTier
-from ._config import open_tier
-from ._namespace import namespaces_for_all_ranks
-from ._valkey import EmbeddedValkey
+from kvoffload._packed import Int32Array, pack_int64
+from kvoffload.errors import InvalidStateError
+from kvoffload.offload.keys import OffloadKey
+from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.scheduler import OffloadScheduler, ReportOutcome
+from kvoffload.tiers._backpressure import EMABackpressureDetector, resolve_backpressure
+from kvoffload.tiers._base import SecondaryTier
+from kvoffload.tiers._config import open_tier
+from kvoffload.tiers._namespace import namespaces_for_all_ranks
+from kvoffload.tiers._valkey import EmbeddedValkey
 
 __all__ = ["TierStatsRow", "TieredScheduler", "start_embedded_servers"]
 

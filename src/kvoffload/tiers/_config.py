@@ -14,7 +14,7 @@ from typing import cast
 
 import msgspec
 
-from .._generated import (
+from kvoffload._generated import (
     BackpressureConfig,
     CustomTierConfig,
     FsTierConfig,
@@ -22,9 +22,9 @@ from .._generated import (
     TieringConfig,
     ValkeyTierConfig,
 )
-from ..errors import ConfigError
-from ._base import SecondaryTier
-from ._namespace import Namespace
+from kvoffload.errors import ConfigError
+from kvoffload.tiers._base import SecondaryTier
+from kvoffload.tiers._namespace import Namespace
 
 __all__ = ["TIERING_KEYS", "open_tier", "tier_from_cli", "tiering_config_from_extra"]
 
@@ -90,7 +90,7 @@ def open_tier(
     evicts: the workers' instances own the records).
     """
     if isinstance(config, FsTierConfig):
-        from ._fs import FsTier
+        from kvoffload.tiers._fs import FsTier
 
         return FsTier(
             config.root_dir,
@@ -103,7 +103,7 @@ def open_tier(
             scan=not lookups_only,
         )
     if isinstance(config, ValkeyTierConfig):
-        from ._valkey import ValkeyTier
+        from kvoffload.tiers._valkey import ValkeyTier
 
         url = url_override or config.url
         if not url:

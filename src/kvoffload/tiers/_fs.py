@@ -32,11 +32,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-from .._ints import check_int, check_optional_int, round_up
-from ..errors import ConfigError, RecordError, TierError
-from ._base import TierBase
-from ._namespace import Namespace
-from ._record import HEADER_SIZE, encode_header, parse_header, payload_checksum, verify_payload
+from kvoffload._ints import check_int, check_optional_int, round_up
+from kvoffload.errors import ConfigError, RecordError, TierError
+from kvoffload.tiers._base import TierBase
+from kvoffload.tiers._namespace import Namespace
+from kvoffload.tiers._record import HEADER_SIZE, encode_header, parse_header, payload_checksum, verify_payload
 
 __all__ = ["FsTier"]
 

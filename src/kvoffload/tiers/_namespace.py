@@ -15,8 +15,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from .._generated import OffloadingConfig
-from ._record import FORMAT_VERSION
+from kvoffload._generated import OffloadingConfig
+from kvoffload.tiers._record import FORMAT_VERSION
 
 __all__ = ["Namespace", "namespace_for", "namespaces_for_all_ranks"]
 

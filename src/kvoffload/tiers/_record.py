@@ -24,8 +24,8 @@ import struct
 
 import xxhash
 
-from .._packed import Buffer
-from ..errors import RecordError
+from kvoffload._packed import Buffer
+from kvoffload.errors import RecordError
 
 __all__ = [
     "FORMAT_VERSION",

@@ -12,14 +12,14 @@ from typing import cast
 
 import torch
 
-from .._generated import OffloadingConfig, TieringConfig, TierJob, TierJobResult, ValkeyTierConfig
-from .._packed import Int64Array, pack_int32
-from ..errors import ConfigError
-from ..offload.host_pool import HostPool
-from ..offload.integrity import BlockSlots, key_tags
-from ._base import SecondaryTier
-from ._config import open_tier
-from ._namespace import namespace_for
+from kvoffload._generated import OffloadingConfig, TieringConfig, TierJob, TierJobResult, ValkeyTierConfig
+from kvoffload._packed import Int64Array, pack_int32
+from kvoffload.errors import ConfigError
+from kvoffload.offload.keys import key_tags
+from kvoffload.offload.pool import BlockSlots, HostPool
+from kvoffload.tiers._base import SecondaryTier
+from kvoffload.tiers._config import open_tier
+from kvoffload.tiers._namespace import namespace_for
 
 __all__ = ["TierWorker"]
 

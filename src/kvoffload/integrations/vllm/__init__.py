@@ -43,20 +43,20 @@ try:  # request-level receive failures (vLLM 0.32); releases without them only c
 except ImportError:  # pragma: no cover - depends on the installed vLLM
     KVConnectorTransferResults = None
 
-from ..._generated import LoadMode
-from ..._translate import translate_snapshot
-from ...errors import ConfigError
-from ...offload._scheduler_results import SchedulerStats
-from ._config import parse_connector_config, parse_tiering_config
-from ._messages import (
+from kvoffload._generated import LoadMode
+from kvoffload._translate import translate_snapshot
+from kvoffload.errors import ConfigError
+from kvoffload.integrations.vllm._config import parse_connector_config, parse_tiering_config
+from kvoffload.integrations.vllm._messages import (
     KVOffloadConnectorMetadata,
     KVOffloadConnectorStats,
     KVOffloadPromMetrics,
     KVOffloadWorkerMetadata,
 )
-from ._scheduler import _SchedulerHalf
-from ._snapshot import _fit_chunk_size, snapshot_from_vllm
-from ._worker import _WorkerHalf
+from kvoffload.integrations.vllm._scheduler import _SchedulerHalf
+from kvoffload.integrations.vllm._snapshot import _fit_chunk_size, snapshot_from_vllm
+from kvoffload.integrations.vllm._worker import _WorkerHalf
+from kvoffload.offload.scheduler import SchedulerStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -6,13 +6,9 @@ from collections.abc import Mapping
 
 import msgspec
 
-from ..._generated import (
-    TieringConfig,
-    ValkeyTierConfig,
-    VLLMConnectorConfig,
-)
-from ...errors import ConfigError
-from ...tiers._config import tiering_config_from_extra
+from kvoffload._generated import TieringConfig, ValkeyTierConfig, VLLMConnectorConfig
+from kvoffload.errors import ConfigError
+from kvoffload.tiers import tiering_config_from_extra
 
 _UNSUPPORTED_KEYS = {
     "spec_module_path": "out-of-tree offloading specs are vLLM's; kvoffload's connector is its own spec",

@@ -12,7 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from ...errors import ConfigError
+from kvoffload.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -12,8 +12,8 @@ from vllm.distributed.kv_events import BlockRemoved as VllmBlockRemoved
 from vllm.distributed.kv_events import BlockStored as VllmBlockStored
 from vllm.distributed.kv_events import KVCacheEvent
 
-from ... import wire
-from ..._generated import (
+from kvoffload import wire
+from kvoffload._generated import (
     BlockRemoved,
     LoadMode,
     OffloadingConfig,
@@ -21,10 +21,10 @@ from ..._generated import (
     VLLMConnectorConfig,
     WorkerReport,
 )
-from ...offload.manager import HostBlockManager
-from ...offload.pool_plan import plan_host_pool_from_config
-from ...offload.scheduler import OffloadScheduler
-from ...tiers._cascade import TieredScheduler
+from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.pool import plan_host_pool_from_config
+from kvoffload.offload.scheduler import OffloadScheduler
+from kvoffload.tiers import TieredScheduler
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-from ._messages import (
+from kvoffload.integrations.vllm._messages import (
     _INTERVAL_COUNTERS,
     KVOffloadConnectorMetadata,
     KVOffloadConnectorStats,

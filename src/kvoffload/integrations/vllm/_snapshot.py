@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch
 
-from ..._generated import (
+from kvoffload._generated import (
     ChunkedLocalAttentionSpec,
     EngineSnapshot,
     FullAttentionSpec,
@@ -21,9 +21,9 @@ from ..._generated import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from ..._ints import round_up
-from ..._translate import translate_snapshot
-from ...errors import ConfigError
+from kvoffload._ints import round_up
+from kvoffload._translate import translate_snapshot
+from kvoffload.errors import ConfigError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -10,24 +10,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
-from ... import wire
-from ..._generated import (
-    KVCacheConfig,
-    OffloadingConfig,
-    StepPlan,
-    TieringConfig,
-)
-from ..._packed import Int64Array
-from ...errors import ConfigError
-from ...offload.copy import CopyEngine, transfer_layout_from_config
-from ...offload.host_pool import HostPool
-from ...offload.pool_plan import plan_host_pool_from_config
-from ...offload.worker import OffloadWorker
-from ...tiers._worker import TierWorker
-from ._messages import (
-    KVOffloadConnectorMetadata,
-    KVOffloadWorkerMetadata,
-)
+from kvoffload import wire
+from kvoffload._generated import KVCacheConfig, OffloadingConfig, StepPlan, TieringConfig
+from kvoffload._packed import Int64Array
+from kvoffload.errors import ConfigError
+from kvoffload.integrations.vllm._messages import KVOffloadConnectorMetadata, KVOffloadWorkerMetadata
+from kvoffload.offload.pool import HostPool, plan_host_pool_from_config
+from kvoffload.offload.worker import OffloadWorker
+from kvoffload.offload.worker.copy import CopyEngine, transfer_layout_from_config
+from kvoffload.tiers import TierWorker
 
 
 @dataclass

@@ -11,13 +11,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from .._generated import JobResult, StepPlan, TransferJob, WorkerReport
-from .._packed import Int32Array, Int64Array
-from ..errors import KVOffloadError
-from .copy import CopyEngine
+from kvoffload._generated import JobResult, StepPlan, TransferJob, WorkerReport
+from kvoffload._packed import Int32Array, Int64Array
+from kvoffload.errors import KVOffloadError
+from kvoffload.offload.worker.copy import CopyEngine
 
 if TYPE_CHECKING:
-    from ..tiers._worker import TierWorker
+    from kvoffload.tiers import TierWorker
 
 __all__ = ["OffloadWorker"]
 

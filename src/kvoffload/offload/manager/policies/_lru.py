@@ -7,8 +7,8 @@ from collections.abc import Collection, Sequence
 from collections.abc import Set as AbstractSet
 from typing import ClassVar
 
-from kvoffload.offload._cache_policy import CachePolicy, check_evict_count
 from kvoffload.offload.keys import OffloadKey
+from kvoffload.offload.manager.policies._base import CachePolicy, check_evict_count
 
 __all__ = ["LRUPolicy"]
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .._generated import MissReason
-from .._ints import cdiv
-from .keys import OffloadKey
-from .manager import HostBlockManager
+from kvoffload._generated import MissReason
+from kvoffload._ints import cdiv
+from kvoffload.offload.keys import OffloadKey
+from kvoffload.offload.manager import HostBlockManager
 
 __all__ = ["ChunkMiss", "GroupKeys", "explain_lookup", "primary_reason"]
 

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from kvoffload.errors import ConfigError, HostMemoryError
-from kvoffload.offload.pool_plan import PAGE_SIZE, HostPoolPlan
+from kvoffload.offload.pool._plan import PAGE_SIZE, HostPoolPlan
 
 __all__ = [
     "available_host_memory_bytes",

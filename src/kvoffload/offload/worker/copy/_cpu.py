@@ -27,12 +27,12 @@ import torch
 import xxhash
 
 from kvoffload._generated import JobResult
-from kvoffload.offload.copy._backend import Direction, Integrity, corrupt_result, done_result, failed_result
-from kvoffload.offload.copy._native import NativeKernel
-from kvoffload.offload.copy._placement import TransferLayout
-from kvoffload.offload.copy._runs import CopyRuns
-from kvoffload.offload.copy._views import BlockViews, ViewJob
-from kvoffload.offload.integrity import BlockSlots, Digests
+from kvoffload.offload.pool import BlockSlots, Digests
+from kvoffload.offload.worker.copy._backend import Direction, Integrity, corrupt_result, done_result, failed_result
+from kvoffload.offload.worker.copy._native import NativeKernel
+from kvoffload.offload.worker.copy._placement import TransferLayout
+from kvoffload.offload.worker.copy._runs import CopyRuns
+from kvoffload.offload.worker.copy._views import BlockViews, ViewJob
 
 __all__ = ["CpuBackend"]
 

@@ -16,12 +16,13 @@ the shared file, so that every rank of a replicated layout verifies what rank 0 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import xxhash
+
+from kvoffload.offload.pool._plan import TABLE_FIELDS
 
 __all__ = [
     "INVALID",
@@ -30,10 +31,6 @@ __all__ = [
     "BlockSlots",
     "Digests",
     "IntegrityTable",
-    "key_tag",
-    "key_tags",
-    "table_bytes",
-    "table_entries",
 ]
 
 INVALID = 0
@@ -43,36 +40,13 @@ TAGGED = 1
 SEALED = 2
 """The key tag and the content checksum are valid."""
 
-_FIELDS = 3  # tag, checksum, state
+_FIELDS = TABLE_FIELDS
 _TAG, _SUM, _STATE = range(_FIELDS)
 _hash = xxhash.xxh3_64_intdigest
 
 Digests = list[int] | np.ndarray
 """xxh3_64 digests of a job's slots, in slot order: Python ints, or a uint64 array (what the native kernel
 writes)."""
-
-
-def key_tag(key: bytes) -> int:
-    """The 64-bit tag of an offload key (signed, to travel in an ``array<int64>``); never 0 (= untagged)."""
-    value = _hash(key)
-    if value >= 1 << 63:
-        value -= 1 << 64
-    return value or 1
-
-
-def key_tags(keys: Sequence[bytes]) -> list[int]:
-    """:func:`key_tag` of each key."""
-    return [key_tag(key) for key in keys]
-
-
-def table_entries(num_chunks: int, slots: int, blocks_per_chunk: int) -> int:
-    """Number of metadata entries of a pool: one per (chunk, slot, sub-block)."""
-    return num_chunks * slots * blocks_per_chunk
-
-
-def table_bytes(num_chunks: int, slots: int, blocks_per_chunk: int) -> int:
-    """Bytes of the metadata table of a pool (three int64 per entry)."""
-    return table_entries(num_chunks, slots, blocks_per_chunk) * _FIELDS * 8
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,10 @@
 A finished job is reported as the wire type :class:`~kvoffload.JobResult` itself (what a worker sends the
 scheduler), so the outcome of a copy has one name from the backend to the scheduler.
 
-A backend executes already planned jobs (:class:`~kvoffload.offload.copy.CopyRuns` plus the sub-blocks
+A backend executes already planned jobs (:class:`~kvoffload.offload.worker.copy.CopyRuns` plus the sub-blocks
 they touch) asynchronously, in submission order per direction, and seals stores / verifies loads in the host
 pool's integrity table through :class:`Integrity`. The CPU backend (:mod:`._cpu`) uses threads, the CUDA
-backend (:mod:`._cuda`) streams and events; :class:`~kvoffload.offload.copy.CopyEngine` picks one.
+backend (:mod:`._cuda`) streams and events; :class:`~kvoffload.offload.worker.copy.CopyEngine` picks one.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Protocol
 
 from kvoffload._generated import JobResult
 from kvoffload._packed import pack_int64
-from kvoffload.offload.copy._runs import CopyRuns
-from kvoffload.offload.integrity import BlockSlots, Digests, IntegrityTable
+from kvoffload.offload.pool import BlockSlots, Digests, IntegrityTable
+from kvoffload.offload.worker.copy._runs import CopyRuns
 
 __all__ = ["CopyBackend", "Direction", "Integrity", "corrupt_result", "done_result", "failed_result"]
 

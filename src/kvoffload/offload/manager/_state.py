@@ -14,10 +14,9 @@ from collections.abc import Sequence
 from kvoffload._generated import MissReason
 from kvoffload._ints import check_int
 from kvoffload.errors import ConfigError, InvalidStateError
-from kvoffload.offload._cache_policy import CachePolicy
-from kvoffload.offload._manager_results import LookupResult, ManagerStats, OffloadEvent
 from kvoffload.offload.keys import OffloadKey
-from kvoffload.offload.policy import make_policy
+from kvoffload.offload.manager._results import LookupResult, ManagerStats, OffloadEvent
+from kvoffload.offload.manager.policies import CachePolicy, make_policy
 
 __all__ = ["ManagerState"]
 

@@ -3,13 +3,11 @@ its blocks are allocated, and the reason for every wanted chunk it does not load
 
 from __future__ import annotations
 
-from .._generated import (
-    MissReason,
-)
-from ._scheduler_state import RequestState, SchedulerState
-from .keys import OffloadKey
-from .lookup import maximal_prefix_lookup, sliding_window_lookup
-from .misses import ChunkMiss, GroupKeys, explain_lookup, primary_reason
+from kvoffload._generated import MissReason
+from kvoffload.offload.keys import OffloadKey
+from kvoffload.offload.scheduler._misses import ChunkMiss, GroupKeys, explain_lookup, primary_reason
+from kvoffload.offload.scheduler._scan import maximal_prefix_lookup, sliding_window_lookup
+from kvoffload.offload.scheduler._state import RequestState, SchedulerState
 
 __all__ = ["SchedulerLookup"]
 

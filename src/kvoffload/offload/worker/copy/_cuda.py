@@ -15,9 +15,9 @@ import torch
 
 from kvoffload._generated import JobResult
 from kvoffload.errors import TransferError
-from kvoffload.offload.copy._backend import Direction, Integrity, corrupt_result, done_result, failed_result
-from kvoffload.offload.copy._runs import CopyRuns, merge_runs
-from kvoffload.offload.integrity import BlockSlots
+from kvoffload.offload.pool import BlockSlots
+from kvoffload.offload.worker.copy._backend import Direction, Integrity, corrupt_result, done_result, failed_result
+from kvoffload.offload.worker.copy._runs import CopyRuns, merge_runs
 
 __all__ = ["CudaBackend"]
 

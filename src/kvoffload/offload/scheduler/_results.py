@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .._generated import (
-    MissReason,
-)
+from kvoffload._generated import MissReason
 
 __all__ = ["ReportOutcome", "SchedulerStats"]
 

@@ -17,9 +17,9 @@ from collections.abc import Set as AbstractSet
 
 from kvoffload._generated import MissReason
 from kvoffload.errors import ConfigError, InvalidStateError
-from kvoffload.offload._manager_results import OffloadEvent, StorePlan
-from kvoffload.offload._manager_state import ManagerState
 from kvoffload.offload.keys import OffloadKey
+from kvoffload.offload.manager._results import OffloadEvent, StorePlan
+from kvoffload.offload.manager._state import ManagerState
 
 __all__ = ["HostBlockManager"]
 

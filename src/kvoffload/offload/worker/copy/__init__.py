@@ -11,9 +11,9 @@ The names below are the surface (``__all__``); the modules behind them are priva
 * ``_engine`` - :class:`CopyEngine`, the facade a worker uses: validate, plan, submit, poll.
 """
 
-from kvoffload.offload.copy._backend import CopyBackend, Direction
-from kvoffload.offload.copy._engine import CopyEngine
-from kvoffload.offload.copy._placement import (
+from kvoffload.offload.worker.copy._backend import CopyBackend, Direction
+from kvoffload.offload.worker.copy._engine import CopyEngine
+from kvoffload.offload.worker.copy._placement import (
     CopySegment,
     GroupLayout,
     KVCacheTensorLike,
@@ -22,7 +22,7 @@ from kvoffload.offload.copy._placement import (
     build_transfer_layout,
     transfer_layout_from_config,
 )
-from kvoffload.offload.copy._runs import CopyRuns, IdsLike, build_block_slots, build_copy_runs
+from kvoffload.offload.worker.copy._runs import CopyRuns, IdsLike, build_block_slots, build_copy_runs
 
 __all__ = [
     "CopyBackend",

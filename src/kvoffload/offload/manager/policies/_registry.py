@@ -1,9 +1,9 @@
 """The cache-policy registry: the host block manager builds its policy by name ("lru", "arc", or registered).
 
 Both built-in policies reproduce vLLM 0.33's victim order exactly for call sequences without per-request
-position hints (vLLM only has those inside its connector): :class:`~kvoffload.offload.policy.LRUPolicy`
-is exact LRU by insertion/touch order, :class:`~kvoffload.offload.policy.ARCPolicy` is vLLM's ARC. The
-interface they implement is :class:`~kvoffload.offload.policy.CachePolicy`.
+position hints (vLLM only has those inside its connector): :class:`~kvoffload.offload.manager.policies.LRUPolicy`
+is exact LRU by insertion/touch order, :class:`~kvoffload.offload.manager.policies.ARCPolicy` is vLLM's ARC. The
+interface they implement is :class:`~kvoffload.offload.manager.policies.CachePolicy`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvoffload.errors import ConfigError
-from kvoffload.offload._arc_policy import ARCPolicy
-from kvoffload.offload._cache_policy import CachePolicy
-from kvoffload.offload._lru_policy import LRUPolicy
+from kvoffload.offload.manager.policies._arc import ARCPolicy
+from kvoffload.offload.manager.policies._base import CachePolicy
+from kvoffload.offload.manager.policies._lru import LRUPolicy
 
 __all__ = [
     "PolicyFactory",

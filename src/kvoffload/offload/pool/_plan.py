@@ -14,15 +14,35 @@ from typing import TYPE_CHECKING
 
 from kvoffload._ints import check_int, round_up
 from kvoffload.errors import ConfigError, HostMemoryError
-from kvoffload.offload.integrity import table_bytes
 
 if TYPE_CHECKING:
     from kvoffload._generated import OffloadingConfig
 
-__all__ = ["PAGE_SIZE", "HostPoolPlan", "plan_host_pool", "plan_host_pool_from_config"]
+__all__ = [
+    "PAGE_SIZE",
+    "TABLE_FIELDS",
+    "HostPoolPlan",
+    "plan_host_pool",
+    "plan_host_pool_from_config",
+    "table_bytes",
+    "table_entries",
+]
 
 PAGE_SIZE = mmap.PAGESIZE
 """Plan rows are rounded up to this many bytes (the OS page size, vLLM's ``BLOCK_SIZE_ALIGNMENT``)."""
+
+TABLE_FIELDS = 3
+"""Fields of one integrity-table entry (key tag, checksum, state), each an int64."""
+
+
+def table_entries(num_chunks: int, slots: int, blocks_per_chunk: int) -> int:
+    """Number of metadata entries of a pool: one per (chunk, slot, sub-block)."""
+    return num_chunks * slots * blocks_per_chunk
+
+
+def table_bytes(num_chunks: int, slots: int, blocks_per_chunk: int) -> int:
+    """Bytes of the metadata table of a pool (three int64 per entry)."""
+    return table_entries(num_chunks, slots, blocks_per_chunk) * TABLE_FIELDS * 8
 
 
 @dataclass(frozen=True)

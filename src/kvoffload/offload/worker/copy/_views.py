@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvoffload.offload.copy._placement import GroupLayout, TransferLayout
-from kvoffload.offload.copy._runs import JobBlocks
+from kvoffload.offload.worker.copy._placement import GroupLayout, TransferLayout
+from kvoffload.offload.worker.copy._runs import JobBlocks
 
 __all__ = ["BlockViews", "ViewJob"]
 

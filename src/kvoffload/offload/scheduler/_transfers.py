@@ -5,15 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._generated import (
-    StepPlan,
-    TransferJob,
-)
-from .._packed import pack_int32, pack_int64
-from ..errors import ConfigError, InvalidStateError
-from ._scheduler_state import RequestState, SchedulerState
-from .integrity import key_tags
-from .keys import OffloadKey
+from kvoffload._generated import StepPlan, TransferJob
+from kvoffload._packed import pack_int32, pack_int64
+from kvoffload.errors import ConfigError, InvalidStateError
+from kvoffload.offload.keys import OffloadKey, key_tags
+from kvoffload.offload.scheduler._state import RequestState, SchedulerState
 
 __all__ = ["SchedulerTransfers"]
 

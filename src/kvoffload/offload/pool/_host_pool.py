@@ -1,6 +1,6 @@
 """Host memory for offloaded KV chunks: the :class:`HostPool` allocation, private or in shared memory.
 
-The pool is ONE ``uint8`` torch tensor of chunk rows, sized by a :class:`~kvoffload.offload.pool_plan.HostPoolPlan`.
+The pool is ONE ``uint8`` torch tensor of chunk rows, sized by a :class:`~kvoffload.offload.pool.HostPoolPlan`.
 The optional shared-memory backing follows vLLM 0.33's shared offload region: one file under ``/dev/shm`` that
 every rank maps, so a replicated offload (``replicated_layout``) keeps one copy of the cache for all ranks.
 """
@@ -20,9 +20,9 @@ import torch
 
 from kvoffload._ints import round_up
 from kvoffload.errors import ConfigError, HostMemoryError, InvalidStateError, WorkerError
-from kvoffload.offload._pool_files import available_host_memory_bytes, prefault, shared_pool_path
-from kvoffload.offload.integrity import IntegrityTable, table_entries
-from kvoffload.offload.pool_plan import PAGE_SIZE, HostPoolPlan
+from kvoffload.offload.pool._files import available_host_memory_bytes, prefault, shared_pool_path
+from kvoffload.offload.pool._integrity import IntegrityTable
+from kvoffload.offload.pool._plan import PAGE_SIZE, HostPoolPlan, table_entries
 
 __all__ = ["HostPool"]
 
@@ -249,7 +249,7 @@ class HostPool:
 
     @property
     def integrity(self) -> IntegrityTable:
-        """Key tags, checksums and states of the stored sub-blocks (see :mod:`kvoffload.offload.integrity`)."""
+        """Key tags, checksums and states of the stored sub-blocks (see :mod:`kvoffload.offload.pool._integrity`)."""
         return self._integrity
 
     @property
@@ -321,7 +321,7 @@ class HostPool:
     def close(self) -> None:
         """Release the pool: unpin, close the file and remove it if this process created it.
 
-        Close the :class:`~kvoffload.offload.copy.CopyEngine` using the pool first. Shared memory is
+        Close the :class:`~kvoffload.offload.worker.copy.CopyEngine` using the pool first. Shared memory is
         unmapped once the last tensor view of it is gone, never under a live view.
         """
         if self._closed:

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .._generated import (
-    MissReason,
-    WorkerReport,
-)
-from .._packed import Int64Array
-from ._scheduler_results import ReportOutcome
-from ._scheduler_state import JobState, SchedulerState
+from kvoffload._generated import MissReason, WorkerReport
+from kvoffload._packed import Int64Array
+from kvoffload.offload.scheduler._results import ReportOutcome
+from kvoffload.offload.scheduler._state import JobState, SchedulerState
 
 __all__ = ["SchedulerReports"]
 

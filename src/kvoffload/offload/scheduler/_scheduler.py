@@ -28,19 +28,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .._generated import (
-    BlockRemoved,
-    BlockStored,
-    KVEvent,
-)
-from .._ints import check_int, check_optional_int
-from ..errors import ConfigError, InvalidStateError
-from ._scheduler_lookup import SchedulerLookup
-from ._scheduler_reports import SchedulerReports
-from ._scheduler_results import SchedulerStats
-from ._scheduler_state import RequestState
-from ._scheduler_transfers import SchedulerTransfers
-from .keys import BlockHash, offload_key_group, offload_key_hash
+from kvoffload._generated import BlockRemoved, BlockStored, KVEvent
+from kvoffload._ints import check_int, check_optional_int
+from kvoffload.errors import ConfigError, InvalidStateError
+from kvoffload.offload.keys import BlockHash, offload_key_group, offload_key_hash
+from kvoffload.offload.scheduler._lookups import SchedulerLookup
+from kvoffload.offload.scheduler._reports import SchedulerReports
+from kvoffload.offload.scheduler._results import SchedulerStats
+from kvoffload.offload.scheduler._state import RequestState
+from kvoffload.offload.scheduler._transfers import SchedulerTransfers
 
 __all__ = ["OffloadScheduler"]
 

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .._generated import (
-    MissReason,
-    OffloadingConfig,
-    TransferJob,
-)
-from .._ints import cdiv
-from ..errors import ConfigError, InvalidStateError
-from .keys import BlockHash, OffloadKey, chunk_keys, hashes_per_chunk
-from .manager import HostBlockManager
-from .misses import ChunkMiss
+from kvoffload._generated import MissReason, OffloadingConfig, TransferJob
+from kvoffload._ints import cdiv
+from kvoffload.errors import ConfigError, InvalidStateError
+from kvoffload.offload.keys import BlockHash, OffloadKey, chunk_keys, hashes_per_chunk
+from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.scheduler._misses import ChunkMiss
 
 __all__ = ["GroupGeometry", "JobState", "RequestState", "SchedulerState"]
 

@@ -4,7 +4,7 @@
 coalesced byte runs, with vLLM 0.33's sub-block rule: chunk row sub-block ``j`` holds engine block ``j`` of
 the chunk, and a partly covered first chunk is entered at sub-block ``block_index % blocks_per_chunk``.
 :func:`build_block_slots` names the sub-blocks a job touches (same index math) so that stores seal and loads
-verify them in the pool's integrity table (:mod:`kvoffload.offload.integrity`).
+verify them in the pool's integrity table (:mod:`kvoffload.offload.pool._integrity`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 
 from kvoffload._ints import cdiv, check_int
 from kvoffload.errors import ConfigError
-from kvoffload.offload.copy._placement import TransferLayout
-from kvoffload.offload.integrity import BlockSlots, IntegrityTable
+from kvoffload.offload.pool import BlockSlots, IntegrityTable
+from kvoffload.offload.worker.copy._placement import TransferLayout
 
 __all__ = ["CopyRuns", "IdsLike", "JobBlocks", "build_block_slots", "build_copy_runs"]
 

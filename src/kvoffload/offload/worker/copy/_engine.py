@@ -8,14 +8,13 @@ import torch
 
 from kvoffload._generated import JobResult
 from kvoffload.errors import ConfigError, InvalidStateError, TransferError
-from kvoffload.offload.copy._backend import CopyBackend, Direction, Integrity
-from kvoffload.offload.copy._cpu import CpuBackend
-from kvoffload.offload.copy._cuda import CudaBackend
-from kvoffload.offload.copy._native import KERNEL, NativeKernel
-from kvoffload.offload.copy._placement import TransferLayout
-from kvoffload.offload.copy._runs import CopyRuns, IdsLike, build_block_slots, build_copy_runs
-from kvoffload.offload.host_pool import HostPool
-from kvoffload.offload.integrity import BlockSlots
+from kvoffload.offload.pool import BlockSlots, HostPool
+from kvoffload.offload.worker.copy._backend import CopyBackend, Direction, Integrity
+from kvoffload.offload.worker.copy._cpu import CpuBackend
+from kvoffload.offload.worker.copy._cuda import CudaBackend
+from kvoffload.offload.worker.copy._native import KERNEL, NativeKernel
+from kvoffload.offload.worker.copy._placement import TransferLayout
+from kvoffload.offload.worker.copy._runs import CopyRuns, IdsLike, build_block_slots, build_copy_runs
 
 __all__ = ["CopyEngine"]
 
@@ -130,7 +129,7 @@ class CopyEngine:
     ) -> None:
         """Start copying engine blocks into host chunks (engine → host). Returns immediately.
 
-        ``chunk_tags[i]`` is the key tag of ``chunk_ids[i]`` (:func:`~kvoffload.offload.integrity.key_tag`;
+        ``chunk_tags[i]`` is the key tag of ``chunk_ids[i]`` (:func:`~kvoffload.offload.pool.key_tag`;
         omitted: untagged). A rank that does not write to a shared replicated pool completes the job with 0
         bytes and leaves the pool's integrity table to the writer.
         """

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ._manager_results import LookupResult
-from .keys import OffloadKey
+from kvoffload.offload.keys import OffloadKey
+from kvoffload.offload.manager import LookupResult
 
 __all__ = ["maximal_prefix_lookup", "sliding_window_lookup"]
 

@@ -1,0 +1,21 @@
+"""The offload scheduler: per-request lookup, load and store decisions, one ``StepPlan`` per engine step.
+
+Scheduler side, torch-free. :class:`OffloadScheduler` composes its parts: the request and job book
+(``_state``), lookups (``_lookups``, on the per-group scans of ``_scan`` and the miss reasons of ``_misses``),
+transfer planning (``_transfers``) and report handling (``_reports``). Features below the host pool (tiers)
+plug in through :class:`SchedulerExtension`.
+"""
+
+from kvoffload.offload.scheduler._misses import ChunkMiss
+from kvoffload.offload.scheduler._results import ReportOutcome, SchedulerStats
+from kvoffload.offload.scheduler._scan import maximal_prefix_lookup, sliding_window_lookup
+from kvoffload.offload.scheduler._scheduler import OffloadScheduler
+
+__all__ = [
+    "ChunkMiss",
+    "OffloadScheduler",
+    "ReportOutcome",
+    "SchedulerStats",
+    "maximal_prefix_lookup",
+    "sliding_window_lookup",
+]
