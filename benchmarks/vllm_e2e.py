@@ -22,7 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvoffload.integrations.tiny_model import WORDS
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for testing/ (not shipped)
+
+from testing.tiny_model import WORDS
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -113,7 +115,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kvoffload.integrations.tiny_model import build_tiny_llama
+    from testing.tiny_model import build_tiny_llama
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
     results: dict[str, dict[str, Any]] = {}

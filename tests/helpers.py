@@ -1,9 +1,10 @@
 """Builders shared by the tests: a plain OffloadingConfig and a TransferJob, with only what a test varies, and
-the scheduler's view of a KV cache config."""
+the scheduler's view of a KV cache config; an argv that starts a child with SIGINT's default disposition."""
 
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from kvoffload import (
     UniformTypeKVCacheSpecs,
 )
 from kvoffload._packed import pack_int32, pack_int64
-from kvoffload._page_math import first_layer_spec
+from kvoffload.translate._spec_math import first_layer_spec
 
 
 @dataclass(frozen=True)
@@ -111,3 +112,20 @@ def chained_hashes(tag: str, n: int) -> list[bytes]:
         prev = hashlib.sha256(prev + f"{tag}:{i}".encode()).digest()
         out.append(prev)
     return out
+
+
+_DEFAULT_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+)
+
+
+def with_default_sigint(argv: Sequence[str]) -> list[str]:
+    """``argv`` run with SIGINT at its default disposition, for a test that sends the child SIGINT.
+
+    A test run as a background job (``pytest ... &`` from a script) inherits SIGINT ignored, and an ignored
+    disposition survives ``fork`` and ``exec`` (``Popen(restore_signals=True)`` restores only SIGPIPE, SIGXFZ
+    and SIGXFSZ), so the child would never see the Ctrl-C the test sends. This argv first runs a small Python
+    that resets SIGINT to ``SIG_DFL`` and then ``exec``s ``argv`` in the same process (same pid, so process
+    groups and ``/proc`` children are unchanged); no ``preexec_fn``, which is unsafe with threads.
+    """
+    return [sys.executable, "-c", _DEFAULT_SIGINT, *argv]

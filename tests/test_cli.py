@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from kvoffload import ConfigError, codecs
-from kvoffload._cli import main, to_toml
-from kvoffload._snapshot import load_snapshot
-from kvoffload._translate import translate_snapshot
+from kvoffload._cli import main
+from kvoffload._toml import dumps_toml
+from kvoffload.translate import load_snapshot, translate_snapshot
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.json"))
 
@@ -59,7 +59,7 @@ def test_translate_example_json_and_toml(example: Path, tmp_path: Path, capsys: 
 
     # The same snapshot written as TOML translates to the same config.
     toml_input = tmp_path / f"{example.stem}.toml"
-    toml_input.write_text(to_toml(json.loads(example.read_text())))
+    toml_input.write_text(dumps_toml(json.loads(example.read_text())))
     code, out, err = run(capsys, "translate", str(toml_input))
     assert (code, err) == (0, "")
     assert json.loads(out) == expected
@@ -192,7 +192,7 @@ def test_help_and_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
 
 
-def test_to_toml_writer() -> None:
+def test_dumps_toml_writer() -> None:
     data: dict[str, Any] = {
         "a": 1,
         "b": None,
@@ -203,7 +203,7 @@ def test_to_toml_writer() -> None:
         "t": {"u": {"v": []}, "w": {}},
         "rows": [{"k": 1}, {"k": 2, "n": {"z": "é"}}],
     }
-    parsed = tomllib.loads(to_toml(data))
+    parsed = tomllib.loads(dumps_toml(data))
     assert parsed == {
         "a": 1,
         "weird key": 'q"uote\\\n\x7f',

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload._cli import main, parse_size
+from tests.helpers import with_default_sigint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,7 +97,7 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(tmp_path: Path) -> No
     code = "import sys; from kvoffload._cli import main; sys.exit(main())"
     argv = ["demo", "--requests", "5000", "--conversations", "2000", "--shared-pool", "--no-progress"]
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, *argv],
+        with_default_sigint([sys.executable, "-c", code, *argv]),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload._events import KVEventSubscriber
+from tests.helpers import with_default_sigint
 
 
 def _free_port() -> int:
@@ -50,7 +51,10 @@ def test_demo_serves_metrics_explains_misses_and_publishes_events() -> None:
     args = ["demo", "--requests", "8", "--conversations", "2", "--no-progress", "--metrics-port", "0"]
     args += ["--metrics-linger", "120", "--explain-misses", "--kv-events", endpoint]
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        with_default_sigint([sys.executable, "-c", code, *args]),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     batches = []
     try:

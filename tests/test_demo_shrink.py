@@ -9,12 +9,11 @@ import pytest
 
 from kvoffload import ConfigError, HostMemoryError
 from kvoffload._generated import MambaSpec, SlidingWindowSpec
-from kvoffload._snapshot import load_snapshot
-from kvoffload._translate import translate_snapshot
 from kvoffload.demo import DemoOptions, default_snapshot, shrink_snapshot
 from kvoffload.demo.runner import demo_memory_bytes
 from kvoffload.demo.shrink import format_bytes
 from kvoffload.offload.worker.copy import transfer_layout_from_config
+from kvoffload.translate import load_snapshot, translate_snapshot
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 GiB = 1 << 30

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload._snapshot import load_snapshot
-from kvoffload._translate import translate_snapshot
 from kvoffload.demo import DemoOptions, run_demo, shrink_snapshot
+from kvoffload.translate import load_snapshot, translate_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -28,8 +28,9 @@ from kvoffload import (
     UniformTypeKVCacheSpecs,
     _ints,
 )
-from kvoffload import _page_math as L
-from kvoffload._translate import offloading_group_ids
+from kvoffload.translate import _rules as R
+from kvoffload.translate import _spec_math as L
+from kvoffload.translate._translate import offloading_group_ids
 from tests.helpers import flatten_for_scheduler
 
 # ------------------------------------------------------------------------------------------------------------
@@ -286,61 +287,61 @@ def test_resolve_dcp_kv_block_size() -> None:
 
 
 def test_single_group_uses_engine_block_size_not_the_spec() -> None:
-    assert L.resolve_kv_cache_block_sizes(kv(group(full(64))), engine(16)) == (16, 16)
-    assert L.resolve_kv_cache_block_sizes(kv(group(full(16))), engine(16, dcp=4)) == (64, 64)
+    assert R.resolve_kv_cache_block_sizes(kv(group(full(64))), engine(16)) == (16, 16)
+    assert R.resolve_kv_cache_block_sizes(kv(group(full(16))), engine(16, dcp=4)) == (64, 64)
     # dcp falls back to 1 when the single group is not DCP-sharded ...
-    assert L.resolve_kv_cache_block_sizes(kv(group(mamba(16))), engine(16, dcp=4)) == (16, 16)
+    assert R.resolve_kv_cache_block_sizes(kv(group(mamba(16))), engine(16, dcp=4)) == (16, 16)
     # ... but not with zero groups.
-    assert L.resolve_kv_cache_block_sizes(kv(), engine(16, dcp=4)) == (64, 64)
+    assert R.resolve_kv_cache_block_sizes(kv(), engine(16, dcp=4)) == (64, 64)
 
 
 def test_single_group_prefix_match_unit() -> None:
-    assert L.resolve_kv_cache_block_sizes(kv(group(full())), engine(16, pmu=16)) == (16, 16)
+    assert R.resolve_kv_cache_block_sizes(kv(group(full())), engine(16, pmu=16)) == (16, 16)
     with pytest.raises(OffloadingConfigError) as err:
-        L.resolve_kv_cache_block_sizes(kv(group(full(64))), engine(64, pmu=8))
+        R.resolve_kv_cache_block_sizes(kv(group(full(64))), engine(64, pmu=8))
     assert str(err.value) == (
         "Invalid prefix_match_unit=8; with a single KV cache group, prefix-cache hits land on the block size "
         "(64). Unset it or set it to 64."
     )
     assert err.value.vllm_exception == "ValueError"
     # The DCP-scaled size is the one that counts.
-    assert L.resolve_kv_cache_block_sizes(kv(group(full(16))), engine(16, dcp=2, pmu=32)) == (32, 32)
+    assert R.resolve_kv_cache_block_sizes(kv(group(full(16))), engine(16, dcp=2, pmu=32)) == (32, 32)
     # Without prefix caching and without a connector the knob is ignored; zero groups never check it.
-    assert L.resolve_kv_cache_block_sizes(
+    assert R.resolve_kv_cache_block_sizes(
         kv(group(full())), engine(16, pmu=8, prefix_caching=False, connector=False)
     ) == (16, 16)
     with pytest.raises(OffloadingConfigError):
-        L.resolve_kv_cache_block_sizes(kv(group(full())), engine(16, pmu=8, prefix_caching=False))
-    assert L.resolve_kv_cache_block_sizes(kv(), engine(16, pmu=8)) == (16, 16)
+        R.resolve_kv_cache_block_sizes(kv(group(full())), engine(16, pmu=8, prefix_caching=False))
+    assert R.resolve_kv_cache_block_sizes(kv(), engine(16, pmu=8)) == (16, 16)
 
 
 def test_multi_group_lcm_and_gcd() -> None:
     config = kv(group(full(16)), group(full(32)))
-    assert L.resolve_kv_cache_block_sizes(config, engine()) == (32, 16)
-    assert L.resolve_kv_cache_block_sizes(config, engine(pmu=8)) == (32, 8)
-    assert L.resolve_kv_cache_block_sizes(kv(group(full(12)), group(mla(16))), engine(4)) == (48, 4)
+    assert R.resolve_kv_cache_block_sizes(config, engine()) == (32, 16)
+    assert R.resolve_kv_cache_block_sizes(config, engine(pmu=8)) == (32, 8)
+    assert R.resolve_kv_cache_block_sizes(kv(group(full(12)), group(mla(16))), engine(4)) == (48, 4)
     # DCP scales attention groups, not Mamba.
-    assert L.resolve_kv_cache_block_sizes(kv(group(full(16)), group(mamba(16))), engine(dcp=2)) == (32, 16)
+    assert R.resolve_kv_cache_block_sizes(kv(group(full(16)), group(mamba(16))), engine(dcp=2)) == (32, 16)
 
 
 def test_multi_group_without_hashing_consumers_uses_lcm() -> None:
     config = kv(group(full(16)), group(full(32)))
-    assert L.resolve_kv_cache_block_sizes(config, engine(prefix_caching=False, connector=False)) == (32, 32)
-    assert L.resolve_kv_cache_block_sizes(config, engine(prefix_caching=False, connector=True)) == (32, 16)
-    assert L.resolve_kv_cache_block_sizes(config, engine(prefix_caching=True, connector=False)) == (32, 16)
+    assert R.resolve_kv_cache_block_sizes(config, engine(prefix_caching=False, connector=False)) == (32, 32)
+    assert R.resolve_kv_cache_block_sizes(config, engine(prefix_caching=False, connector=True)) == (32, 16)
+    assert R.resolve_kv_cache_block_sizes(config, engine(prefix_caching=True, connector=False)) == (32, 16)
 
 
 def test_multi_group_mamba_outside_align_mode_falls_back() -> None:
     config = kv(group(full(16)), group(mamba(24, "none")))
-    assert L.resolve_kv_cache_block_sizes(config, engine()) == (48, 48)
+    assert R.resolve_kv_cache_block_sizes(config, engine()) == (48, 48)
     wrapped = kv(group(full(16)), group(UniformTypeKVCacheSpecs(block_size=24, kv_cache_specs={"m": mamba(24, "all")})))
-    assert L.resolve_kv_cache_block_sizes(wrapped, engine()) == (48, 48)
-    assert L.resolve_kv_cache_block_sizes(kv(group(full(16)), group(mamba(32))), engine()) == (32, 16)
+    assert R.resolve_kv_cache_block_sizes(wrapped, engine()) == (48, 48)
+    assert R.resolve_kv_cache_block_sizes(kv(group(full(16)), group(mamba(32))), engine()) == (32, 16)
 
 
 def test_multi_group_prefix_match_unit_must_divide_prefix_cacheable_sizes() -> None:
     with pytest.raises(OffloadingConfigError) as err:
-        L.resolve_kv_cache_block_sizes(kv(group(full(16)), group(full(24))), engine(pmu=16))
+        R.resolve_kv_cache_block_sizes(kv(group(full(16)), group(full(24))), engine(pmu=16))
     assert str(err.value) == (
         "Invalid prefix_match_unit=16; prefix-cacheable KV cache group block sizes must be divisible by "
         "prefix_match_unit. Got group block sizes=[16, 24], prefix-cacheable=[16, 24]."
@@ -358,45 +359,45 @@ def test_only_prefix_cacheable_groups_set_the_hash() -> None:
         bounded_replay=True,
     )
     config = kv(group(mla(32)), group(bounded))
-    assert L.resolve_kv_cache_block_sizes(config, engine()) == (32, 32)
+    assert R.resolve_kv_cache_block_sizes(config, engine()) == (32, 32)
     with pytest.raises(OffloadingConfigError, match=r"Got group block sizes=\[32, 8\], prefix-cacheable=\[32\]"):
-        L.resolve_kv_cache_block_sizes(config, engine(pmu=64))
+        R.resolve_kv_cache_block_sizes(config, engine(pmu=64))
     # When no group is prefix-cacheable, every size counts.
     only_bounded = kv(group(bounded), group(msgspec_replace(bounded, block_size=12)))
-    assert L.resolve_kv_cache_block_sizes(only_bounded, engine()) == (24, 4)
+    assert R.resolve_kv_cache_block_sizes(only_bounded, engine()) == (24, 4)
 
 
 def test_per_state_compression_must_align_with_hits() -> None:
     compressed = full(16, tokens_per_state=3)
     with pytest.raises(OffloadingConfigError) as err:
-        L.resolve_kv_cache_block_sizes(kv(group(compressed), group(full(32))), engine())
+        R.resolve_kv_cache_block_sizes(kv(group(compressed), group(full(32))), engine())
     assert str(err.value) == (
         "Invalid prefix_match_unit=16; prefix-cache boundaries must align with each spec's per-state "
         "compression. Got alignments=[3]."
     )
     # Aligned compression at the scheduler block (lcm 64) is fine.
     ok = kv(group(full(16)), group(full(64, tokens_per_state=32)))
-    assert L.resolve_kv_cache_block_sizes(ok, engine()) == (64, 16)
+    assert R.resolve_kv_cache_block_sizes(ok, engine()) == (64, 16)
 
 
 def test_partial_mamba_hits_align_to_the_hash_block() -> None:
     compressed = full(64, tokens_per_state=32)
     partial = kv(group(full(16)), group(mamba(64)), group(compressed))
-    assert L.partial_hash_hits_enabled(partial.kv_cache_groups, 16, 1)
+    assert R.partial_hash_hits_enabled(partial.kv_cache_groups, 16, 1)
     with pytest.raises(OffloadingConfigError, match=r"Got alignments=\[32\]"):
-        L.resolve_kv_cache_block_sizes(partial, engine())
+        R.resolve_kv_cache_block_sizes(partial, engine())
     whole = kv(group(full(16)), group(mamba(16)), group(compressed))
-    assert not L.partial_hash_hits_enabled(whole.kv_cache_groups, 16, 1)
-    assert L.resolve_kv_cache_block_sizes(whole, engine()) == (64, 16)
+    assert not R.partial_hash_hits_enabled(whole.kv_cache_groups, 16, 1)
+    assert R.resolve_kv_cache_block_sizes(whole, engine()) == (64, 16)
     # With DCP, a Mamba block equal to the hash block already enables partial hits.
     dcp_groups = kv(group(full(16)), group(mamba(16))).kv_cache_groups
-    assert L.partial_hash_hits_enabled(dcp_groups, 16, 2)
-    assert not L.partial_hash_hits_enabled(dcp_groups, 16, 1)
+    assert R.partial_hash_hits_enabled(dcp_groups, 16, 2)
+    assert not R.partial_hash_hits_enabled(dcp_groups, 16, 1)
 
 
 def test_resolution_records_its_reason() -> None:
     notes: list[tuple[str, object, str]] = []
-    L.resolve_kv_cache_block_sizes(
+    R.resolve_kv_cache_block_sizes(
         kv(group(full(16)), group(full(32))), engine(), lambda t, v, r: notes.append((t, v, r))
     )
     assert notes == [("tokens_per_hash", 16, notes[0][2])]
@@ -409,32 +410,32 @@ def test_resolution_records_its_reason() -> None:
 
 
 def test_sliding_window_size_in_chunks() -> None:
-    assert L.sliding_window_size_in_chunks(swa(window=128), 64) == 2
-    assert L.sliding_window_size_in_chunks(swa(window=129), 64) == 3
-    assert L.sliding_window_size_in_chunks(swa(window=128, extra_retained_tokens=2), 64) == 3
-    assert L.sliding_window_size_in_chunks(swa(window=1), 16) == 1
+    assert R.sliding_window_size_in_chunks(swa(window=128), 64) == 2
+    assert R.sliding_window_size_in_chunks(swa(window=129), 64) == 3
+    assert R.sliding_window_size_in_chunks(swa(window=128, extra_retained_tokens=2), 64) == 3
+    assert R.sliding_window_size_in_chunks(swa(window=1), 16) == 1
     chunked = ChunkedLocalAttentionSpec(
         block_size=16, num_kv_heads=1, head_size=64, dtype=DType.BFLOAT16, attention_chunk_size=8192
     )
-    assert L.sliding_window_size_in_chunks(chunked, 256) == 32
-    assert L.sliding_window_size_in_chunks(mamba(), 16) == 1
-    assert L.sliding_window_size_in_chunks(full(), 16) is None
-    assert L.sliding_window_size_in_chunks(mla(), 16) is None
-    assert L.sliding_window_size_in_chunks(full(sliding_window=128), 16) is None
+    assert R.sliding_window_size_in_chunks(chunked, 256) == 32
+    assert R.sliding_window_size_in_chunks(mamba(), 16) == 1
+    assert R.sliding_window_size_in_chunks(full(), 16) is None
+    assert R.sliding_window_size_in_chunks(mla(), 16) is None
+    assert R.sliding_window_size_in_chunks(full(sliding_window=128), 16) is None
     wrapper = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"s": swa(window=100), "f": full()})
-    assert L.sliding_window_size_in_chunks(wrapper, 32) == 4
+    assert R.sliding_window_size_in_chunks(wrapper, 32) == 4
 
 
 def test_sliding_window_guards() -> None:
     with pytest.raises(OffloadingConfigError) as err:
-        L.sliding_window_size_in_chunks(swa(), 0)
+        R.sliding_window_size_in_chunks(swa(), 0)
     assert err.value.vllm_exception == "ZeroDivisionError"
     assert "at least one token" in str(err.value)
-    assert L.sliding_window_size_in_chunks(full(), 0) is None  # no division for full attention
+    assert R.sliding_window_size_in_chunks(full(), 0) is None  # no division for full attention
     # A window the schema would reject (built in code): vLLM's bare assert, empty message plus a note.
     zero = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=DType.INT8, sliding_window=0)
     with pytest.raises(OffloadingConfigError) as err:
-        L.sliding_window_size_in_chunks(zero, 16)
+        R.sliding_window_size_in_chunks(zero, 16)
     assert str(err.value) == "" and err.value.vllm_exception == "AssertionError"
     assert err.value.__notes__ == ["sliding_window=0 must be > 0"]
     nested = UniformTypeKVCacheSpecs(
@@ -442,5 +443,5 @@ def test_sliding_window_guards() -> None:
         kv_cache_specs={"x": UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"y": full()})},
     )
     with pytest.raises(OffloadingConfigError) as err:
-        L.sliding_window_size_in_chunks(nested, 16)
+        R.sliding_window_size_in_chunks(nested, 16)
     assert err.value.vllm_exception == "AssertionError"

@@ -1,4 +1,4 @@
-"""Project gates that CI must enforce: mypy --strict on src and codegen, ruff lint and format."""
+"""Project gates that CI must enforce: mypy --strict on src, codegen and testing, ruff lint and format."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKED = ("src", "codegen", "tests", "benchmarks", "examples", "setup.py")
+CHECKED = ("src", "codegen", "testing", "tests", "benchmarks", "examples", "setup.py")
 
 
 def _run(*command: str) -> None:
@@ -25,8 +25,8 @@ def _ruff() -> str:
 
 
 @pytest.mark.slow
-def test_mypy_strict_src_and_codegen() -> None:
-    _run(sys.executable, "-m", "mypy", "--strict", "src", "codegen")
+def test_mypy_strict_src_codegen_and_testing() -> None:
+    _run(sys.executable, "-m", "mypy", "--strict", "src", "codegen", "testing")
 
 
 @pytest.mark.slow

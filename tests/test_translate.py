@@ -42,12 +42,13 @@ from kvoffload import (
     UniformTypeKVCacheSpecs,
     codecs,
 )
-from kvoffload._explain import Explanation, describe_error
-from kvoffload._snapshot import load_snapshot
-from kvoffload._translate import (
+from kvoffload.translate import (
+    Explanation,
     build_offloading_config,
+    describe_error,
     explain_offloading_config,
     explain_snapshot,
+    load_snapshot,
     translate_snapshot,
 )
 from tests.conftest import load_cases
@@ -788,19 +789,19 @@ def _snapshot_dict() -> dict[str, Any]:
 def test_load_snapshot_json_and_toml(tmp_path: Path) -> None:
     import tomllib
 
-    from kvoffload._cli import to_toml
+    from kvoffload._toml import dumps_toml
 
     doc = _snapshot_dict()
     json_file = tmp_path / "s.json"
     json_file.write_text(json.dumps(doc))
     toml_file = tmp_path / "s.toml"
-    toml_file.write_text(to_toml(doc))
+    toml_file.write_text(dumps_toml(doc))
     assert tomllib.loads(toml_file.read_text())["engine_config"]["model_config"]["model"] == "google/gemma-3-4b"
     a, b = load_snapshot(json_file), load_snapshot(str(toml_file))
     assert isinstance(a, EngineSnapshot) and a == b
     assert translate_snapshot(a) == translate_snapshot(b)
     sniffed = tmp_path / "snapshot.txt"
-    sniffed.write_text(to_toml(doc))
+    sniffed.write_text(dumps_toml(doc))
     assert load_snapshot(sniffed) == a
 
 

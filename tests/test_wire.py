@@ -37,7 +37,7 @@ from kvoffload import (
 )
 from kvoffload._generated.types import MESSAGE_TYPES, Message
 from kvoffload._packed import pack_int32, pack_int64, unpack_int64
-from kvoffload._snapshot import load_snapshot
+from kvoffload.translate import load_snapshot
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_TEXT = (ROOT / "schema" / "kvoffload.toml").read_text()

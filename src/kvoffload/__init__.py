@@ -10,7 +10,6 @@ scheduler process stays light; so do the metrics and KV event names (prometheus_
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from kvoffload import wire
-from kvoffload._explain import Decision, Explanation
 from kvoffload._generated import (
     SCHEMA_FINGERPRINT,
     SCHEMA_VERSION,
@@ -72,8 +71,7 @@ from kvoffload._packed import (
     unpack_int32,
     unpack_int64,
 )
-from kvoffload._snapshot import load_snapshot
-from kvoffload._translate import build_offloading_config, explain_offloading_config, translate_snapshot
+from kvoffload.assembly import WorkerParts, build_scheduler, build_worker
 from kvoffload.errors import (
     ArgumentTypeError,
     ConfigError,
@@ -82,7 +80,9 @@ from kvoffload.errors import (
     InvalidStateError,
     KVOffloadError,
     OffloadingConfigError,
+    RecordError,
     SchemaMismatchError,
+    TierError,
     TransferError,
     ValueOverflowError,
     VerificationError,
@@ -91,18 +91,33 @@ from kvoffload.errors import (
 )
 from kvoffload.offload.keys import BlockHash, OffloadKey, hash_token_blocks, make_offload_key
 from kvoffload.offload.manager import HostBlockManager, LookupResult, ManagerStats, OffloadEvent, StorePlan
-from kvoffload.offload.manager.policies import register_policy
-from kvoffload.offload.scheduler import ChunkMiss, OffloadScheduler, ReportOutcome, SchedulerStats
+from kvoffload.offload.manager.policies import CachePolicy, register_policy
+from kvoffload.offload.scheduler import (
+    ChunkMiss,
+    Direction,
+    OffloadScheduler,
+    ReportOutcome,
+    SchedulerExtension,
+    SchedulerStats,
+)
+from kvoffload.translate import (
+    Decision,
+    Explanation,
+    build_offloading_config,
+    explain_offloading_config,
+    load_snapshot,
+    translate_snapshot,
+)
 
 if _TYPE_CHECKING:
     from kvoffload._events import KVEventPublisher, KVEventSubscriber
-    from kvoffload._runnable import validate_runnable
     from kvoffload.metrics import MetricsSnapshot, SchedulerMetrics, WorkerMetrics
     from kvoffload.offload.pool import HostPool, HostPoolPlan, plan_host_pool, plan_host_pool_from_config
     from kvoffload.offload.worker import OffloadWorker
     from kvoffload.offload.worker.copy import CopyEngine, TransferLayout, transfer_layout_from_config
     from kvoffload.runtime.cluster import WorkerCluster
     from kvoffload.runtime.hooks import WorkerContext, WorkerHook
+    from kvoffload.translate import validate_runnable
 
 _LAZY = {
     "CopyEngine": "kvoffload.offload.worker.copy",
@@ -116,7 +131,7 @@ _LAZY = {
     "WorkerCluster": "kvoffload.runtime.cluster",
     "WorkerContext": "kvoffload.runtime.hooks",
     "WorkerHook": "kvoffload.runtime.hooks",
-    "validate_runnable": "kvoffload._runnable",
+    "validate_runnable": "kvoffload.translate",
     # observability: prometheus_client and pyzmq load on first use (a worker picks its metrics mode at import)
     "KVEventPublisher": "kvoffload._events",
     "KVEventSubscriber": "kvoffload._events",
@@ -151,6 +166,7 @@ __all__ = [
     "BlockStored",
     "CacheConfig",
     "CacheDType",
+    "CachePolicy",
     "ChunkMiss",
     "ChunkedLocalAttentionSpec",
     "ConfigError",
@@ -158,6 +174,7 @@ __all__ = [
     "DType",
     "DeadlineError",
     "Decision",
+    "Direction",
     "EngineConfig",
     "EngineSnapshot",
     "Explanation",
@@ -208,7 +225,9 @@ __all__ = [
     "OffloadingParallelConfig",
     "ParallelConfig",
     "PeerRole",
+    "RecordError",
     "ReportOutcome",
+    "SchedulerExtension",
     "SchedulerMetrics",
     "SchedulerStats",
     "SchemaMismatchError",
@@ -218,6 +237,7 @@ __all__ = [
     "SparseCacheRole",
     "StepPlan",
     "StorePlan",
+    "TierError",
     "TransferError",
     "TransferJob",
     "TransferLayout",
@@ -231,9 +251,12 @@ __all__ = [
     "WorkerFailure",
     "WorkerHook",
     "WorkerMetrics",
+    "WorkerParts",
     "WorkerReport",
     "__version__",
     "build_offloading_config",
+    "build_scheduler",
+    "build_worker",
     "codecs",
     "explain_offloading_config",
     "hash_token_blocks",

@@ -24,25 +24,28 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 
-from kvoffload._explain import describe_error
 from kvoffload._generated import SCHEMA_FINGERPRINT, SCHEMA_VERSION, codecs
 from kvoffload._generated.types import EngineSnapshot, OffloadingConfig
 from kvoffload._ints import check_int
-from kvoffload._runnable import validate_runnable
-from kvoffload._snapshot import DEFAULT_MAX_SNAPSHOT_BYTES, load_snapshot
-from kvoffload._translate import explain_snapshot
+from kvoffload._toml import dumps_toml
 from kvoffload.errors import ConfigError, KVOffloadError
+from kvoffload.translate import (
+    DEFAULT_MAX_SNAPSHOT_BYTES,
+    describe_error,
+    explain_snapshot,
+    load_snapshot,
+    validate_runnable,
+)
 
 __all__ = ["main"]
 
@@ -327,7 +330,7 @@ def _format_config(config: OffloadingConfig, fmt: str) -> str:
         data = msgspec.to_builtins(config)
         if not isinstance(data, dict):  # pragma: no cover - a Struct always becomes a dict
             raise ConfigError("cannot render the config as TOML")
-        return to_toml(data)
+        return dumps_toml(data)
     return msgspec.json.format(codecs.encode(config, format="json"), indent=2).decode() + "\n"
 
 
@@ -360,88 +363,6 @@ def _run_schema(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(json.dumps(codecs.json_schema(EngineSnapshot), indent=2, sort_keys=True))
     return EXIT_OK
-
-
-# ------------------------------------------------------------------------------------------------------------
-# A small TOML writer (tomllib only reads)
-# ------------------------------------------------------------------------------------------------------------
-
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
-
-
-def to_toml(data: Mapping[str, object]) -> str:
-    """Render a mapping of JSON-like values as a TOML document.
-
-    Nested mappings become ``[tables]``, lists of mappings ``[[arrays of tables]]``, other lists inline
-    arrays.
-    TOML has no null, so None values are omitted (also inside arrays and inline tables).
-    """
-    lines: list[str] = []
-    _toml_table(lines, (), data)
-    return "\n".join(lines).strip("\n") + "\n"
-
-
-def _toml_table(lines: list[str], path: tuple[str, ...], table: Mapping[str, object]) -> None:
-    for key, value in table.items():
-        if value is None or isinstance(value, Mapping) or _is_table_array(value):
-            continue
-        lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
-    for key, value in table.items():
-        sub = (*path, key)
-        if isinstance(value, Mapping):
-            lines.extend(("", f"[{_dotted(sub)}]"))
-            _toml_table(lines, sub, value)
-        elif isinstance(value, (list, tuple)) and _is_table_array(value):
-            for item in value:
-                lines.extend(("", f"[[{_dotted(sub)}]]"))
-                _toml_table(lines, sub, item)
-
-
-def _is_table_array(value: object) -> bool:
-    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, Mapping) for v in value)
-
-
-def _dotted(path: tuple[str, ...]) -> str:
-    return ".".join(_toml_key(p) for p in path)
-
-
-def _toml_key(key: object) -> str:
-    text = str(key)
-    return text if _BARE_KEY.fullmatch(text) else _toml_string(text)
-
-
-def _toml_string(text: str) -> str:
-    out = []
-    for ch in text:
-        if ch in _ESCAPES:
-            out.append(_ESCAPES[ch])
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, str):
-        return _toml_string(value)
-    if isinstance(value, Mapping):
-        items = ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items() if v is not None)
-        return "{ " + items + " }" if items else "{}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value if v is not None) + "]"
-    return _toml_string(str(value))
 
 
 if __name__ == "__main__":  # pragma: no cover

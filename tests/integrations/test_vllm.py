@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from kvoffload.integrations.tiny_model import build_tiny_llama
+    from testing.tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
@@ -144,7 +144,7 @@ def test_tensor_parallel_workers_each_offload_their_shard(
 def test_sliding_window_model_reloads_its_window_from_host(
     tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:
-    from kvoffload.integrations.tiny_model import build_tiny_llama
+    from testing.tiny_model import build_tiny_llama
 
     model = build_tiny_llama(tmp_path_factory.mktemp("tiny-swa"), sliding_window=96)
     run = _run("sliding-window", model, tmp_path)

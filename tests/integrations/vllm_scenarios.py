@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvoffload.integrations.tiny_model import WORDS
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for testing/ (not shipped)
+
+from testing.tiny_model import WORDS
 
 SYSTEM = "the system cache memory block offload host device layer head attention value key page " * 12
 QUESTIONS = ["question one about the first answer", "question two about a large token", "question three"]
@@ -167,6 +169,8 @@ def tiers(model: str, out: Path, phase: str) -> dict[str, Any]:
     """A disk tier under the host pool: one engine stores (and cascades), a fresh engine reloads from disk."""
     from vllm import LLM
 
+    from kvoffload.tiers import Tiering
+
     tier = {"type": "fs", "root_dir": str(out / "disk"), "n_read_threads": 2, "n_write_threads": 2}
     llm = LLM(
         model=model,
@@ -183,7 +187,9 @@ def tiers(model: str, out: Path, phase: str) -> dict[str, Any]:
         generate(llm, ["pump"], max_tokens=1)
     result["pending"] = half.scheduler.has_pending_work()
     result["stats"] = stats_dict(llm)
-    rows = half.scheduler.tier_stats
+    tiering = half.scheduler.extension
+    assert isinstance(tiering, Tiering)
+    rows = tiering.stats
     result["cascaded"] = rows[0].cascaded_chunks
     result["promoted"] = rows[0].promoted_chunks
     return result

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.errors import ConfigError, InvalidStateError, TransferError
-from kvoffload.offload.worker import copy as kvcopy
 from kvoffload.offload.pool import HostPool, plan_host_pool
+from kvoffload.offload.worker import copy as kvcopy
 from kvoffload.offload.worker.copy import (
     CopyEngine,
     CopyRuns,

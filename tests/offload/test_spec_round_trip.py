@@ -32,9 +32,9 @@ from kvoffload import (
     UniformTypeKVCacheSpecs,
     build_offloading_config,
 )
-from kvoffload._page_math import page_size_bytes, real_page_size_bytes
 from kvoffload.offload.pool import HostPool, plan_host_pool_from_config
 from kvoffload.offload.worker.copy import CopyEngine, transfer_layout_from_config
+from kvoffload.translate._spec_math import page_size_bytes, real_page_size_bytes
 
 LAYERS = ("l0", "l1", "l2")
 NUM_BLOCKS = 12

@@ -24,7 +24,6 @@ from kvoffload import (
     WorkerError,
 )
 from kvoffload._packed import pack_int64
-from kvoffload._translate import translate_snapshot
 from kvoffload.demo import DemoOptions, default_snapshot, run_demo, snapshot_with_overrides
 from kvoffload.demo.worker_hook import HOOK
 from kvoffload.offload.manager import HostBlockManager, LookupResult
@@ -40,6 +39,7 @@ from kvoffload.offload.pool import (
 from kvoffload.offload.scheduler import OffloadScheduler
 from kvoffload.runtime._channel import Channel
 from kvoffload.runtime.cluster import WorkerCluster
+from kvoffload.translate import translate_snapshot
 from tests.helpers import transfer_job
 
 pytestmark = pytest.mark.slow

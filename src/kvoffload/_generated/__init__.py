@@ -3,8 +3,8 @@
 Schema kvoffload 1.3 (fingerprint ec93d35e874c7daf).
 """
 
-from kvoffload._generated import codecs
-from kvoffload._generated.types import (
+from . import codecs
+from .types import (
     MESSAGE_TYPES,
     SCHEMA_FINGERPRINT,
     SCHEMA_NAME,

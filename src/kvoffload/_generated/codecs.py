@@ -13,7 +13,10 @@ from typing import Final, Literal, TypeAlias, TypeVar, cast, overload
 
 import msgspec
 
-from kvoffload._generated.types import (
+from kvoffload._packed import Buffer, json_schema_hook
+from kvoffload.errors import ArgumentTypeError, ConfigError
+
+from .types import (
     EngineSnapshot,
     Heartbeat,
     Hello,
@@ -25,8 +28,6 @@ from kvoffload._generated.types import (
     WorkerFailure,
     WorkerReport,
 )
-from kvoffload._packed import Buffer, json_schema_hook
-from kvoffload.errors import ArgumentTypeError, ConfigError
 
 __all__ = ["MESSAGE_DECODERS", "Format", "Root", "decode", "encode", "encode_into", "json_schema"]
 

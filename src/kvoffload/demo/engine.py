@@ -14,18 +14,15 @@ from typing import TYPE_CHECKING
 
 from kvoffload._generated import EngineSnapshot, OffloadingConfig, StepPlan
 from kvoffload._packed import Int32Array, Int64Array
-from kvoffload._translate import translate_snapshot
+from kvoffload.assembly import build_scheduler
 from kvoffload.demo.report import DemoResult
 from kvoffload.demo.sim_engine import block_seed
 from kvoffload.demo.worker_hook import step_attachments, step_stats
 from kvoffload.demo.workload import BlockPool, DemoOptions, Request, Workload
 from kvoffload.errors import ConfigError
 from kvoffload.offload.keys import hash_token_blocks
-from kvoffload.offload.manager import HostBlockManager
-from kvoffload.offload.pool import plan_host_pool_from_config
-from kvoffload.offload.scheduler import OffloadScheduler
 from kvoffload.runtime.cluster import WorkerCluster
-from kvoffload.tiers import TieredScheduler
+from kvoffload.translate import translate_snapshot
 
 if TYPE_CHECKING:
     from kvoffload._events import KVEventPublisher
@@ -48,14 +45,9 @@ class DemoEngine:
         self.metrics = metrics
         self.events = events
         self.config: OffloadingConfig = translate_snapshot(snapshot)
-        policy = self.config.extra_config.get("eviction_policy", "lru")
-        self.num_chunks = plan_host_pool_from_config(self.config).num_chunks
-        self.manager = HostBlockManager(self.num_chunks, str(policy), enable_events=events is not None)
-        self.sched: OffloadScheduler
-        if options.tiering is not None:
-            self.sched = TieredScheduler(self.config, self.manager, options.tiering)
-        else:
-            self.sched = OffloadScheduler(self.config, self.manager)
+        self.sched = build_scheduler(self.config, tiering=options.tiering, enable_events=events is not None)
+        self.manager = self.sched.manager
+        self.num_chunks = self.manager.num_chunks
         self.groups = self.config.groups
         self.tph = self.config.cache.tokens_per_hash
         self.num_blocks = snapshot.kv_cache_config.num_blocks
@@ -155,9 +147,8 @@ class DemoEngine:
             self.result.worker_errors.update(outcome.errors)
             self.any_dead = True
         if self.any_dead:
-            if isinstance(self.sched, TieredScheduler):
-                self.sched.fail_tier_jobs()  # a dead rank never reports them: promotions are never ready
-            report_failed = self.sched.fail_jobs(self.sched.in_flight_job_ids())
+            # A dead rank never reports its jobs: copies and tier jobs fail, promotions are never ready.
+            report_failed = self.sched.fail_in_flight()
             self.result.failed_jobs += len(report_failed.failed_loads) + len(report_failed.failed_stores)
         self.result.failed_jobs += len(report.failed_loads) + len(report.failed_stores)
         # A failed load means the engine recomputes those tokens.

@@ -13,7 +13,6 @@ import time
 from typing import TYPE_CHECKING
 
 from kvoffload._generated import EngineSnapshot, OffloadingConfig
-from kvoffload._translate import translate_snapshot
 from kvoffload.demo.engine import DemoEngine
 from kvoffload.demo.report import DemoResult
 from kvoffload.demo.worker_hook import HOOK, memcpy_gbps_of
@@ -21,7 +20,8 @@ from kvoffload.demo.workload import DEFAULT_OPTIONS, DemoOptions, check_workload
 from kvoffload.errors import DeadlineError, HostMemoryError
 from kvoffload.offload.pool import available_host_memory_bytes, plan_host_pool_from_config
 from kvoffload.runtime.cluster import WorkerCluster
-from kvoffload.tiers import EmbeddedValkey, TieredScheduler, start_embedded_servers
+from kvoffload.tiers import EmbeddedValkey, Tiering, start_embedded_servers
+from kvoffload.translate import translate_snapshot
 
 if TYPE_CHECKING:
     from kvoffload._events import KVEventPublisher
@@ -77,8 +77,7 @@ def _run(
     try:
         return _drive(demo, snapshot, options, progress, max_steps, metrics_dir, events)
     finally:
-        if isinstance(demo.sched, TieredScheduler):
-            demo.sched.close()
+        demo.sched.close()
 
 
 def _drive(
@@ -113,8 +112,8 @@ def _drive(
         if bar is not None:
             bar.close()
     demo.sched.on_worker_reports(final.reports)
-    if isinstance(demo.sched, TieredScheduler):
-        demo.result.tiers = list(demo.sched.tier_stats)
+    if isinstance(demo.sched.extension, Tiering):
+        demo.result.tiers = list(demo.sched.extension.stats)
     demo.observe(final=True)
     probes = [p for extras in final.attachments.values() if (p := memcpy_gbps_of(extras)) is not None]
     stats = demo.sched.stats()

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 import msgspec
 
 from kvoffload._generated import EngineSnapshot, KVCacheTensor, OffloadingConfig
-from kvoffload._translate import translate_snapshot
+from kvoffload._ints import cdiv
 from kvoffload.demo.runner import MEMORY_SHARE, demo_memory_bytes
 from kvoffload.demo.snapshots import snapshot_with_overrides
 from kvoffload.demo.workload import DEFAULT_OPTIONS, DemoOptions, longest_conversation_tokens
 from kvoffload.errors import ConfigError, HostMemoryError
 from kvoffload.offload.pool import available_host_memory_bytes, plan_host_pool_from_config
+from kvoffload.translate import translate_snapshot
 
 __all__ = ["DEFAULT_SHRINK_BYTES", "Shrunk", "format_bytes", "shrink_snapshot"]
 
@@ -71,8 +72,8 @@ def shrink_snapshot(
     _check_scalable(kv.kv_cache_tensors, blocks_before)
     plan = plan_host_pool_from_config(config)
     tokens = longest_conversation_tokens(options)
-    per_conversation = sum(-(-tokens // g.tokens_per_block) for g in config.groups)
-    chunks_one = sum(-(-tokens // (g.tokens_per_block * config.cache.blocks_per_chunk)) for g in config.groups)
+    per_conversation = sum(cdiv(tokens, g.tokens_per_block) for g in config.groups)
+    chunks_one = sum(cdiv(tokens, g.tokens_per_block * config.cache.blocks_per_chunk) for g in config.groups)
     world = config.parallel.world_size
     kv_per_block = max((t.size for t in kv.kv_cache_tensors), default=0) // max(blocks_before, 1)
     least_blocks = min(blocks_before, max(per_conversation, 1))

@@ -17,9 +17,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvoffload._generated import StepPlan, WorkerReport
+from kvoffload._ints import check_int
 from kvoffload._packed import Int64Array
 from kvoffload.demo.sim_engine import fill_blocks, verify_blocks
-from kvoffload.errors import ConfigError, WireError
+from kvoffload.errors import WireError
 from kvoffload.runtime.hooks import WorkerContext
 
 __all__ = ["HOOK", "DemoHook", "memcpy_gbps_of", "step_attachments", "step_stats"]
@@ -88,10 +89,7 @@ class DemoHook:
 
 
 def _probe_bytes(options: Mapping[str, object]) -> int:
-    value = options.get("memcpy_probe_bytes", 0)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"memcpy_probe_bytes={value!r} must be an int >= 0")
-    return value
+    return check_int("memcpy_probe_bytes", options.get("memcpy_probe_bytes", 0), 0, value_first=True)
 
 
 def _memcpy_gbps(nbytes: int) -> float:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvoffload._generated import OffloadingGroupConfig, TieringConfig
+from kvoffload._ints import cdiv
 from kvoffload.demo.snapshots import MiB
 from kvoffload.errors import ConfigError
 from kvoffload.offload.keys import BlockHash, hash_token_blocks
@@ -122,9 +123,9 @@ def check_workload_fits(
     while (req := workload.next_request()) is not None:
         turns += req.prompt_len - system
         workload.ready.append(req.conversation)  # history stays the system prompt: each turn counted once
-    share = -(-turns // options.conversations)
+    share = cdiv(turns, options.conversations)
     tokens = system + share + options.decode_tokens
-    need = sum(-(-tokens // g.tokens_per_block) for g in groups)
+    need = sum(cdiv(tokens, g.tokens_per_block) for g in groups)
     if need > num_blocks:
         raise ConfigError(
             f"the workload cannot run: its longest conversation reaches at least {tokens} tokens ({system} system "
@@ -137,5 +138,5 @@ def check_workload_fits(
 def longest_conversation_tokens(options: DemoOptions) -> int:
     """A generous bound on the tokens one conversation reaches: system prompt, and one turn more than an even
     share of the requests, each of the longest turn length plus its reply (used to size a shrunk snapshot)."""
-    turns = min(options.requests, -(-options.requests // options.conversations) + 1)
+    turns = min(options.requests, cdiv(options.requests, options.conversations) + 1)
     return options.system_prompt_tokens + turns * (options.turn_tokens[1] + options.decode_tokens)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from kvoffload.metrics._multiprocess import MULTIPROC_ENV, add_worker_collector, mark_worker_dead, multiprocess_env
 from kvoffload.metrics._samples import HistogramSample, MetricSample, MetricsSnapshot
-from kvoffload.metrics._scheduler import ALLOCATION_BUCKETS, SchedulerMetrics
+from kvoffload.metrics._scheduler import ALLOCATION_BUCKETS, STAT_METRICS, SchedulerMetrics
 from kvoffload.metrics._server import MetricsServer, serve_metrics
 from kvoffload.metrics._worker import SIZE_BUCKETS, TIME_BUCKETS, WorkerMetrics
 
@@ -34,6 +34,7 @@ __all__ = [
     "ALLOCATION_BUCKETS",
     "MULTIPROC_ENV",
     "SIZE_BUCKETS",
+    "STAT_METRICS",
     "TIME_BUCKETS",
     "HistogramSample",
     "MetricSample",

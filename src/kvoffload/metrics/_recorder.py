@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvoffload._ints import check_int
 from kvoffload.errors import ConfigError
 from kvoffload.metrics._samples import HistogramSample, MetricSample, MetricsSnapshot
 
@@ -89,8 +90,7 @@ class _Recorder:
     def __init__(self, registry: CollectorRegistry | None, max_samples: int) -> None:
         if registry is not None and not isinstance(registry, CollectorRegistry):
             raise ConfigError(f"registry must be a prometheus_client CollectorRegistry or None, got {registry!r}")
-        if isinstance(max_samples, bool) or not isinstance(max_samples, int) or max_samples < 0:
-            raise ConfigError(f"max_samples must be an int >= 0, got {max_samples!r}")
+        check_int("max_samples", max_samples)
         self.registry = registry
         self._max_samples = max_samples
         self._counters: list[_BoundCounter] = []

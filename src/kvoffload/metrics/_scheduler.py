@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
@@ -13,30 +12,35 @@ from kvoffload._generated import MissReason
 from kvoffload.errors import ConfigError
 from kvoffload.metrics._recorder import _DEFAULT_MAX_SAMPLES, _BoundCounter, _check_tier, _Recorder
 from kvoffload.metrics._samples import MetricsSnapshot
+from kvoffload.offload.scheduler import SchedulerStats
 
 if TYPE_CHECKING:
     from kvoffload.offload.scheduler import OffloadScheduler
 
-__all__ = ["ALLOCATION_BUCKETS", "SchedulerMetrics"]
+__all__ = ["ALLOCATION_BUCKETS", "STAT_METRICS", "SchedulerMetrics"]
 
 ALLOCATION_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 """Chunks allocated per store offer (vLLM's ``kv_offload_cpu_allocation_size`` buckets)."""
 
 
-@dataclass(slots=True)
-class _Totals:
-    """The cumulative figures SchedulerMetrics last saw, to turn totals into increments."""
-
-    lookups: int = 0
-    lookup_hits: int = 0
-    lookups_deferred: int = 0
-    tokens_loaded: int = 0
-    tokens_stored: int = 0
-    allocation_failures: int = 0
-    failed_loads: int = 0
-    failed_stores: int = 0
-    evicted: int = 0
-    corrupt_loads: int = 0
+STAT_METRICS: dict[str, str] = {
+    # SchedulerStats field -> metric name (vLLM's name where vLLM has one), for engines that export the
+    # scheduler's totals under their own registry (the vLLM connector's interval stats)
+    "lookups": "lookups",
+    "lookup_hits": "lookup_hits",
+    "lookup_misses": "lookup_misses",
+    "tokens_loaded": "load_tokens",
+    "tokens_stored": "store_tokens",
+    "bytes_loaded": "load_bytes",
+    "bytes_stored": "store_bytes",
+    "load_seconds": "load_time",
+    "store_seconds": "store_time",
+    "failed_loads": "failed_loads",
+    "failed_stores": "failed_stores",
+    "corrupt_loads": "corrupted_loads",
+    "allocation_failures": "allocation_failure",
+}
+"""What each counter of :class:`~kvoffload.offload.scheduler.SchedulerStats` is called as a metric."""
 
 
 class SchedulerMetrics:
@@ -122,7 +126,8 @@ class SchedulerMetrics:
         }
         hfam = r.histogram_family("cpu_allocation_size", "Chunks allocated per store offer.", ALLOCATION_BUCKETS)
         self.allocation_size = r.histogram(hfam, "cpu_allocation_size")
-        self._seen = _Totals()
+        self._seen = SchedulerStats()
+        self._seen_evicted = 0
         self._seen_reasons: dict[str, dict[MissReason, int]] = {"lookup": {}, "chunk": {}, "removed": {}}
         self._seen_batches = (0, 0)
 
@@ -159,7 +164,7 @@ class SchedulerMetrics:
             return False
         self._last_observed = now
         manager = sched.manager
-        mstats = manager.stats()  # first: the scheduler's stats() would consume the allocation sizes
+        mstats = manager.stats()
         stats = sched.stats()
         seen = self._seen
         for series, total, attr in (
@@ -171,13 +176,15 @@ class SchedulerMetrics:
             (self.allocation_failure, stats.allocation_failures, "allocation_failures"),
             (self.failed_loads, stats.failed_loads, "failed_loads"),
             (self.failed_stores, stats.failed_stores, "failed_stores"),
-            (self.evictions, mstats.evicted, "evicted"),
             (self.corrupted_loads, stats.corrupt_loads, "corrupt_loads"),
         ):
             delta = total - getattr(seen, attr)
             if delta > 0:
                 series.inc(delta)
-                setattr(seen, attr, total)
+        self._seen = stats
+        if mstats.evicted > self._seen_evicted:
+            self.evictions.inc(mstats.evicted - self._seen_evicted)
+            self._seen_evicted = mstats.evicted
         for kind, totals, bound in (
             ("lookup", stats.lookup_miss_reasons, self.lookup_misses),
             ("chunk", stats.chunk_miss_reasons, self.chunk_misses),

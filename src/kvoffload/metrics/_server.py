@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from kvoffload._ints import check_int
 from kvoffload.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -49,8 +50,7 @@ class MetricsServer:
 
 def serve_metrics(registry: CollectorRegistry, port: int, *, addr: str = "127.0.0.1") -> MetricsServer:
     """Serve ``registry`` at ``http://addr:port/metrics`` until :meth:`MetricsServer.close` (port 0: any free)."""
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ConfigError(f"metrics port must be an int in [0, 65535], got {port!r}")
+    check_int("metrics port", port, 0, 65535)
     try:
         server, thread = start_http_server(port, addr=addr, registry=registry)
     except OSError as exc:

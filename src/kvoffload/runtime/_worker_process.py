@@ -45,13 +45,13 @@ from kvoffload._generated import (
     WorkerReport,
     codecs,
 )
-from kvoffload._translate import translate_snapshot
+from kvoffload.assembly import WorkerParts, build_worker
 from kvoffload.errors import ConfigError, WireError, WorkerError
-from kvoffload.offload.pool import HostPool, plan_host_pool_from_config
 from kvoffload.offload.worker import OffloadWorker
-from kvoffload.offload.worker.copy import CopyEngine, TransferLayout, transfer_layout_from_config
+from kvoffload.offload.worker.copy import TransferLayout, transfer_layout_from_config
 from kvoffload.runtime._channel import Channel
 from kvoffload.runtime.hooks import WorkerContext, WorkerHook, decode_hook_options, make_hook
+from kvoffload.translate import translate_snapshot
 
 if TYPE_CHECKING:
     from kvoffload.metrics import WorkerMetrics
@@ -99,11 +99,14 @@ class _Session:
     spec: WorkerSpec
     kv: torch.Tensor
     layout: TransferLayout
-    pool: HostPool
-    worker: OffloadWorker
+    parts: WorkerParts
     last_step: int = 0
     metrics: WorkerMetrics | None = None
     hook: WorkerHook | None = None
+
+    @property
+    def worker(self) -> OffloadWorker:
+        return self.parts.worker
 
     def step(self, plan: StepPlan, attachments: tuple[memoryview, ...]) -> tuple[WorkerReport, list[bytes]]:
         if self.hook is not None:
@@ -129,8 +132,7 @@ class _Session:
             if self.hook is not None:
                 self.hook.close()
         finally:
-            self.worker.close()
-            self.pool.close()
+            self.parts.close()
 
 
 def _open_session(spec: WorkerSpec) -> _Session:
@@ -138,15 +140,17 @@ def _open_session(spec: WorkerSpec) -> _Session:
     ranked, config = rank_config(snapshot, spec.rank)
     layout = transfer_layout_from_config(ranked.kv_cache_config, config)
     kv = torch.zeros(layout.engine_bytes, dtype=torch.uint8)
-    pool = HostPool(plan_host_pool_from_config(config), engine_id=spec.shared_pool_id)
-    tiers = None
+    tiering = None if spec.tiering_json is None else msgspec.json.decode(spec.tiering_json, type=TieringConfig)
+    parts = build_worker(
+        config,
+        kv,
+        layout,
+        tiering=tiering,
+        checksums=spec.checksums,
+        cpu_threads=spec.torch_threads,
+        shared_pool_id=spec.shared_pool_id,
+    )
     try:
-        engine = CopyEngine(kv, layout, pool, cpu_threads=spec.torch_threads, checksums=spec.checksums)
-        if spec.tiering_json is not None:
-            from kvoffload.tiers import TierWorker
-
-            tiering = msgspec.json.decode(spec.tiering_json, type=TieringConfig)
-            tiers = TierWorker(tiering, config, pool, checksums=spec.checksums)
         hook = None
         if spec.hook is not None:
             context = WorkerContext(
@@ -159,17 +163,9 @@ def _open_session(spec: WorkerSpec) -> _Session:
             )
             hook = make_hook(spec.hook, context)
     except BaseException:
-        pool.close()
+        parts.close()
         raise
-    return _Session(
-        spec=spec,
-        kv=kv,
-        layout=layout,
-        pool=pool,
-        worker=OffloadWorker(engine, rank=spec.rank, tiers=tiers),
-        metrics=_worker_metrics(spec),
-        hook=hook,
-    )
+    return _Session(spec=spec, kv=kv, layout=layout, parts=parts, metrics=_worker_metrics(spec), hook=hook)
 
 
 def _worker_metrics(spec: WorkerSpec) -> WorkerMetrics | None:

@@ -41,7 +41,6 @@ from kvoffload._generated import (
     WorkerReport,
     codecs,
 )
-from kvoffload._runnable import validate_runnable
 from kvoffload.errors import ConfigError, WireError, WorkerError
 from kvoffload.offload.pool import (
     check_pools_fit,
@@ -53,6 +52,7 @@ from kvoffload.offload.pool import (
 from kvoffload.runtime._channel import Channel
 from kvoffload.runtime._worker_process import WorkerSpec, rank_config, run_worker
 from kvoffload.runtime.hooks import HookOptions, encode_hook_options, load_hook
+from kvoffload.translate import validate_runnable
 
 __all__ = ["ClusterStep", "WorkerCluster"]
 

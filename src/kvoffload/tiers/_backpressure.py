@@ -13,9 +13,12 @@ a dropped cascade only means that chunk is not in that tier.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import msgspec
 
 from kvoffload._generated import BackpressureConfig
 from kvoffload.errors import ConfigError
@@ -53,32 +56,21 @@ def resolve_backpressure(
     high, low = (0.050, 0.010) if network else (0.010, 0.002)
     defaults = BackpressureSettings(high, low, failure_threshold=None if network else 3)
 
-    def pick(name: str) -> object:
-        for source in (own, top):
-            if source is not None and getattr(source, name) is not None:
-                return getattr(source, name)
-        return getattr(defaults, name, None)
-
-    detector = pick("backpressure_cls") or "EMABackpressureDetector"
+    merged: dict[str, object] = {}
+    for source in (top, own):  # the tier's own fields win over the top-level ones
+        if source is not None:
+            merged.update((k, v) for k, v in msgspec.structs.asdict(source).items() if v is not None)
+    detector = merged.pop("backpressure_cls", None) or "EMABackpressureDetector"
     if detector not in _DETECTORS:
         raise ConfigError(f"{tier_type} tier: backpressure_cls={detector!r} is not supported (EMABackpressureDetector)")
-    policy_name = pick("policy_cls") or "ThrottledDropPolicy"
+    policy_name = merged.pop("policy_cls", None) or "ThrottledDropPolicy"
     policy = _POLICIES.get(str(policy_name))
     if policy is None:
         raise ConfigError(
             f"{tier_type} tier: policy_cls={policy_name!r} is not one of ThrottledDropPolicy, DropStorePolicy"
         )
-    settings = BackpressureSettings(
-        high_water_s=float(pick("high_water_s")),  # type: ignore[arg-type]
-        low_water_s=float(pick("low_water_s")),  # type: ignore[arg-type]
-        alpha=float(pick("alpha")),  # type: ignore[arg-type]
-        warmup_completions=int(pick("warmup_completions")),  # type: ignore[call-overload]
-        decay_half_life_s=float(pick("decay_half_life_s")),  # type: ignore[arg-type]
-        cooldown_s=float(pick("cooldown_s")),  # type: ignore[arg-type]
-        failure_threshold=pick("failure_threshold"),  # type: ignore[arg-type]
-        policy=policy,
-        ramp_factor=float(pick("ramp_factor")),  # type: ignore[arg-type]
-    )
+    # The schema typed and bounded every field already; convert checks the merge against the settings' types.
+    settings = msgspec.convert({**dataclasses.asdict(defaults), **merged, "policy": policy}, BackpressureSettings)
     if settings.low_water_s > settings.high_water_s:
         raise ConfigError(
             f"{tier_type} tier: backpressure low_water_s={settings.low_water_s} exceeds "

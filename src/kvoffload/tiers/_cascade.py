@@ -3,10 +3,10 @@
 Where the work runs, and why: kvoffload's host pool rows live in the worker processes (one ``HostPool`` per
 rank, or one shared ``/dev/shm`` region), so the tier IO runs in each worker on its own rows
 (:class:`~kvoffload.tiers.TierWorker`), reading and writing its own namespace (rank-specific unless the
-offload is replicated). The scheduler decides (:class:`TieredScheduler`, this module); it ships the decisions as
-``TierJob`` lists on the ``StepPlan`` and gets ``TierJobResult`` lists back on each ``WorkerReport``, like copy
-jobs. A tier chunk counts as present only when every rank's namespace has it. Lookups are metadata queries (a
-stat, an EXISTS) that the scheduler runs itself, on a background thread.
+offload is replicated). The scheduler decides (:class:`Tiering`, this module, composed into the scheduler);
+it ships the decisions as ``TierJob`` lists on the ``StepPlan`` and gets ``TierJobResult`` lists back on each
+``WorkerReport``, like copy jobs. A tier chunk counts as present only when every rank's namespace has it.
+Lookups are metadata queries (a stat, an EXISTS) that the scheduler runs itself, on a background thread.
 
 Semantics (vLLM 0.33's):
 
@@ -26,7 +26,7 @@ are polled at each step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -37,7 +37,6 @@ from kvoffload._generated import (
     FsTierConfig,
     OffloadingConfig,
     SecondaryTierConfig,
-    StepPlan,
     TieringConfig,
     TierJob,
     TierJobResult,
@@ -48,14 +47,13 @@ from kvoffload._packed import Int32Array, pack_int64
 from kvoffload.errors import InvalidStateError
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.manager import HostBlockManager
-from kvoffload.offload.scheduler import OffloadScheduler, ReportOutcome
 from kvoffload.tiers._backpressure import EMABackpressureDetector, resolve_backpressure
 from kvoffload.tiers._base import SecondaryTier
 from kvoffload.tiers._config import open_tier
 from kvoffload.tiers._namespace import namespaces_for_all_ranks
 from kvoffload.tiers._valkey import EmbeddedValkey
 
-__all__ = ["TierStatsRow", "TieredScheduler", "start_embedded_servers"]
+__all__ = ["TierStatsRow", "Tiering", "start_embedded_servers"]
 
 
 def start_embedded_servers(
@@ -127,26 +125,25 @@ class _Query:
     future: Future[list[list[bool]]]
 
 
-class TieredScheduler(OffloadScheduler):
-    """An :class:`OffloadScheduler` whose host pool is backed by secondary tiers (see the module docstring).
+class Tiering:
+    """Secondary tiers below the host pool, composed into an :class:`~kvoffload.offload.scheduler.OffloadScheduler`.
 
-    ``tiering`` lists the tiers; valkey tiers need a url here (see :func:`start_embedded_servers`). The
-    scheduler opens one lookup instance per tier and rank namespace; ``close()`` releases them.
+    Implements :class:`~kvoffload.offload.scheduler.SchedulerExtension` (see the module docstring for the
+    semantics): ``OffloadScheduler(config, manager, extension=Tiering(config, manager, tiering))``, with the same
+    ``config`` and ``manager``. ``tiering`` lists the tiers; valkey tiers need a url here (see
+    :func:`start_embedded_servers`). It opens one lookup instance per tier and rank namespace; ``close()``
+    (the scheduler's ``close()`` calls it) releases them.
     """
 
-    def __init__(
-        self,
-        config: OffloadingConfig,
-        manager: HostBlockManager,
-        tiering: TieringConfig,
-        *,
-        offload_prompt_only: bool | None = None,
-        null_block_id: int | None = None,
-    ) -> None:
-        super().__init__(config, manager, offload_prompt_only=offload_prompt_only, null_block_id=null_block_id)
+    def __init__(self, config: OffloadingConfig, manager: HostBlockManager, tiering: TieringConfig) -> None:
+        self.config = config
+        self.manager = manager
         self.tiering = tiering
+        bpc = config.cache.blocks_per_chunk
+        self._tokens_per_chunk = tuple(g.tokens_per_block * bpc for g in config.groups)
         namespaces = namespaces_for_all_ranks(config)
         self._ranks_reporting = config.parallel.world_size
+        self._query_pool = ThreadPoolExecutor(1, thread_name_prefix="kvo-tier-lookup")
         self._lookup_tiers: list[list[SecondaryTier]] = []
         try:
             for tier_config in tiering.secondary_tiers:
@@ -158,8 +155,8 @@ class TieredScheduler(OffloadScheduler):
             EMABackpressureDetector(resolve_backpressure(_tier_type(t), tiering.backpressure, t.backpressure))
             for t in tiering.secondary_tiers
         ]
-        self.tier_stats = [TierStatsRow(_tier_type(t)) for t in tiering.secondary_tiers]
-        self._query_pool = ThreadPoolExecutor(1, thread_name_prefix="kvo-tier-lookup")
+        self.stats = [TierStatsRow(_tier_type(t)) for t in tiering.secondary_tiers]
+        """What each tier did, in config order."""
         self._queries: dict[str, _Query] = {}
         self._queried: dict[str, set[OffloadKey]] = {}
         self._promoting: dict[str, set[int]] = {}
@@ -167,25 +164,22 @@ class TieredScheduler(OffloadScheduler):
         self._next_tier_job = 0
         self._queued_tier_jobs: list[TierJob] = []
         self._cascade_queue: list[OffloadKey] = []
-        self._tier_counters = {"tier_lookups_retry": 0, "promotions_refused": 0, "tier_hits": 0}
+        self._counters = {"tier_lookups_retry": 0, "promotions_refused": 0, "tier_hits": 0}
         self._poll_s = tiering.tier_poll_interval_s
 
     # ------------------------------------------------------------------------------------ lookups
 
-    def lookup(self, req_id: str, num_computed_tokens: int) -> int | None:
-        """Like :meth:`OffloadScheduler.lookup`, asking the tiers for chunks the host pool misses.
-
-        ``None`` also while a tier query runs (RETRY) or a promotion is in flight (HIT_PENDING).
-        """
+    def defer_lookup(self, req_id: str, keys: Sequence[Sequence[OffloadKey]], num_computed_tokens: int) -> bool:
+        """Ask the tiers for chunks the host pool misses: True (ask again later) while a tier query runs
+        (RETRY) or a promotion is in flight (HIT_PENDING)."""
         if not self._lookup_tiers:
-            return super().lookup(req_id, num_computed_tokens)
-        req = self._request(req_id)
+            return False
         if self._promoting.get(req_id):
-            return self._defer()
+            return True
         query = self._queries.get(req_id)
         if query is None:
             asked = self._queried.setdefault(req_id, set())
-            candidates = [k for k in self._host_misses(req, num_computed_tokens) if k not in asked]
+            candidates = [k for k in self._host_misses(keys, num_computed_tokens) if k not in asked]
             if candidates and any(t[0].available for t in self._lookup_tiers):
                 asked.update(candidates)
                 query = _Query(candidates, self._query_pool.submit(self._query, candidates))
@@ -193,33 +187,23 @@ class TieredScheduler(OffloadScheduler):
                 # A fresh query gets one poll interval to answer before the lookup says RETRY; with no
                 # interval its answer is used by the next lookup (the engine asks again next step).
                 if self._poll_s <= 0:
-                    self._tier_counters["tier_lookups_retry"] += 1
-                    return self._defer()
+                    self._counters["tier_lookups_retry"] += 1
+                    return True
                 wait_futures([query.future], timeout=self._poll_s)
-        if query is not None:
-            if not query.future.done():
-                self._tier_counters["tier_lookups_retry"] += 1
-                return self._defer()
-            del self._queries[req_id]
-            if self._promote(req, num_computed_tokens, query):
-                return self._defer()  # HIT_PENDING until the promotion completes
-        return super().lookup(req_id, num_computed_tokens)
+        if query is None:
+            return False
+        if not query.future.done():
+            self._counters["tier_lookups_retry"] += 1
+            return True
+        del self._queries[req_id]
+        return self._promote(req_id, keys, num_computed_tokens, query)  # HIT_PENDING until it completes
 
-    def _defer(self) -> int | None:
-        """Count a deferred lookup and answer ``None`` (ask again later)."""
-        self._counters["lookups"] += 1
-        self._counters["lookups_deferred"] += 1
-        return None
-
-    def _host_misses(self, req: object, num_computed: int) -> list[OffloadKey]:
+    def _host_misses(self, keys: Sequence[Sequence[OffloadKey]], num_computed: int) -> list[OffloadKey]:
         """Keys of the request's chunks past ``num_computed`` that the host pool does not hold, in order."""
-        keys_of = getattr(req, "keys")  # noqa: B009 - the base scheduler's per-group key lists
         out: list[OffloadKey] = []
         manager = self.manager
-        for g in self._groups:
-            keys: list[OffloadKey] = keys_of[g.index]
-            first = num_computed // g.tokens_per_chunk
-            out.extend(k for k in keys[first:] if k not in manager)
+        for group_keys, tpc in zip(keys, self._tokens_per_chunk, strict=True):
+            out.extend(k for k in group_keys[num_computed // tpc :] if k not in manager)
         return out
 
     def _query(self, keys: list[OffloadKey]) -> list[list[bool]]:
@@ -233,7 +217,7 @@ class TieredScheduler(OffloadScheduler):
             result.append(present)
         return result
 
-    def _promote(self, req: object, num_computed: int, query: _Query) -> bool:
+    def _promote(self, req_id: str, keys: Sequence[Sequence[OffloadKey]], num_computed: int, query: _Query) -> bool:
         """Allocate host chunks for the tier hits and queue one promotion job per tier; True if queued."""
         found = query.future.result()
         where: dict[OffloadKey, int] = {}
@@ -244,35 +228,31 @@ class TieredScheduler(OffloadScheduler):
                     break
         if not where:
             return False
-        keys_of = getattr(req, "keys")  # noqa: B009
-        req_id: str = getattr(req, "req_id")  # noqa: B009
         wanted: list[OffloadKey] = []
         tokens: dict[OffloadKey, int] = {}
-        for g in self._groups:
-            keys: list[OffloadKey] = keys_of[g.index]
-            first = num_computed // g.tokens_per_chunk
-            for key in keys[first:]:
+        for group_keys, tpc in zip(keys, self._tokens_per_chunk, strict=True):
+            for key in group_keys[num_computed // tpc :]:
                 if key in self.manager:
                     continue
                 if key not in where:
                     break  # a prefix: nothing past the first chunk no tier has
                 wanted.append(key)
-                tokens[key] = g.tokens_per_chunk
+                tokens[key] = tpc
         if not wanted:
             return False
-        self._tier_counters["tier_hits"] += len(wanted)
+        self._counters["tier_hits"] += len(wanted)
         plan = self.manager.prepare_store(wanted, request_id=req_id)
         if plan is None or not plan.keys_to_store:
-            self._tier_counters["promotions_refused"] += 1
+            self._counters["promotions_refused"] += 1
             return False  # host memory is full: a MISS, the engine recomputes
         by_tier: dict[int, tuple[list[OffloadKey], list[int]]] = {}
         for key, chunk in zip(plan.keys_to_store, plan.chunk_ids, strict=True):
-            keys, chunks = by_tier.setdefault(where[key], ([], []))
-            keys.append(key)
+            tier_keys, chunks = by_tier.setdefault(where[key], ([], []))
+            tier_keys.append(key)
             chunks.append(chunk)
         jobs = self._promoting.setdefault(req_id, set())
-        for t, (keys, chunks) in sorted(by_tier.items()):
-            job = self._new_tier_job(t, True, keys, chunks, req_id, sum(tokens[k] for k in keys))
+        for t, (tier_keys, chunks) in sorted(by_tier.items()):
+            job = self._new_tier_job(t, True, tier_keys, chunks, req_id, sum(tokens[k] for k in tier_keys))
             jobs.add(job.job_id)
         return True
 
@@ -293,14 +273,15 @@ class TieredScheduler(OffloadScheduler):
 
     # ------------------------------------------------------------------------------------ plans
 
-    def build_step_plan(self) -> StepPlan:
-        """The base plan plus this step's promotions and the cascades of chunks stored since the last plan."""
-        self._plan_cascades()  # first: pinning protects the chunks from this step's store evictions
-        plan = super().build_step_plan()
+    def on_store_completed(self, keys: Sequence[OffloadKey]) -> None:
+        """Queue the chunks for cascading to every tier with the next plan."""
+        self._cascade_queue.extend(keys)
+
+    def plan_tier_jobs(self) -> tuple[TierJob, ...]:
+        """This step's promotions and the cascades of chunks stored since the last plan."""
+        self._plan_cascades()
         jobs, self._queued_tier_jobs = self._queued_tier_jobs, []
-        if not jobs:
-            return plan
-        return msgspec.structs.replace(plan, tier_jobs=tuple(jobs))
+        return tuple(jobs)
 
     def _plan_cascades(self) -> None:
         keys, self._cascade_queue = self._cascade_queue, []
@@ -320,7 +301,7 @@ class TieredScheduler(OffloadScheduler):
         pinned = True  # the pin taken above goes to the first tier that takes the cascade
         for t, detector in enumerate(self._detectors):
             if detector.should_drop(len(ready)):
-                self.tier_stats[t].dropped_chunks += len(ready)
+                self.stats[t].dropped_chunks += len(ready)
                 continue
             if not pinned:
                 manager.prepare_load(ready)  # one pin per tier job, released when every rank reported it
@@ -329,21 +310,13 @@ class TieredScheduler(OffloadScheduler):
         if pinned:
             manager.complete_load(ready)  # every tier dropped it
 
-    def _complete(self, job: object, finished: list[str], failed_loads: list[str], failed_stores: list[str]) -> None:
-        super()._complete(job, finished, failed_loads, failed_stores)  # type: ignore[arg-type]
-        if getattr(job, "is_store", False) and not getattr(job, "failed", True) and not getattr(job, "stale", True):
-            self._cascade_queue.extend(getattr(job, "keys", ()))
-
     # ------------------------------------------------------------------------------------ reports
 
-    def on_worker_reports(self, reports: Iterable[WorkerReport]) -> ReportOutcome:
-        """Count copy-job results (as the base scheduler) and tier-job results (cascades, promotions)."""
-        reports = list(reports)
-        outcome = super().on_worker_reports(reports)
+    def on_worker_reports(self, reports: Sequence[WorkerReport]) -> None:
+        """Count tier-job results (cascades, promotions)."""
         for report in reports:
             for result in report.tier_results:
                 self._on_tier_result(report.rank, result)
-        return outcome
 
     def _on_tier_result(self, rank: int, result: TierJobResult) -> None:
         state = self._tier_jobs.get(result.job_id)
@@ -360,7 +333,7 @@ class TieredScheduler(OffloadScheduler):
     def _finish_tier_job(self, state: _TierJobState) -> None:
         del self._tier_jobs[state.job.job_id]
         job = state.job
-        row = self.tier_stats[job.tier]
+        row = self.stats[job.tier]
         keys = [OffloadKey(key) for key in job.keys]  # the wire type holds plain bytes
         bad = [keys[i] for i in sorted(state.failed) if i < len(keys)]
         good = [k for i, k in enumerate(keys) if i not in state.failed]
@@ -391,15 +364,15 @@ class TieredScheduler(OffloadScheduler):
             per_rank = state.num_bytes // max(1, self._ranks_reporting)
             self._detectors[job.tier].record(per_rank, state.seconds, success=not bad)
 
-    def fail_tier_jobs(self) -> None:
+    def fail_in_flight(self) -> None:
         """Fail every tier job in flight (a worker died): pins released, promoted chunks never ready."""
         for state in list(self._tier_jobs.values()):
             state.failed.update(range(len(state.job.keys)))
             self._finish_tier_job(state)
 
     def has_pending_work(self) -> bool:
-        """Copy jobs, tier jobs or cascades still to plan."""
-        return super().has_pending_work() or bool(self._tier_jobs or self._cascade_queue or self._queries)
+        """Tier jobs in flight, cascades still to plan, or tier queries running."""
+        return bool(self._tier_jobs or self._cascade_queue or self._queries)
 
     def reset(self) -> None:
         """vLLM ``reset_cache``: in-flight tier jobs become stale (their results no longer touch the pool)."""
@@ -407,17 +380,15 @@ class TieredScheduler(OffloadScheduler):
             state.stale = True
         self._cascade_queue.clear()
         self._queried.clear()
-        super().reset()
 
-    def finish_request(self, req_id: str) -> None:
-        """As the base scheduler; also forgets the request's tier queries."""
-        super().finish_request(req_id)
+    def on_request_finished(self, req_id: str) -> None:
+        """Forget the request's tier queries."""
         self._queried.pop(req_id, None)
         self._queries.pop(req_id, None)
 
-    def tier_counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, int]:
         """Tier lookup counters: RETRY answers, promotions refused (host full), tier hits."""
-        return dict(self._tier_counters)
+        return dict(self._counters)
 
     def backpressure(self, tier: int) -> EMABackpressureDetector:
         """The backpressure detector of tier ``tier``."""
@@ -425,10 +396,8 @@ class TieredScheduler(OffloadScheduler):
 
     def close(self) -> None:
         """Release the lookup tiers and the query thread."""
-        pool = getattr(self, "_query_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=True)
-        for per_rank in getattr(self, "_lookup_tiers", []):
+        self._query_pool.shutdown(wait=True)
+        for per_rank in self._lookup_tiers:
             for tier in per_rank:
                 tier.close()
         self._lookup_tiers = []

@@ -280,7 +280,7 @@ class FsTier(TierBase):
             while written < size:
                 n = os.pwritev(fd, parts, written)
                 if n <= 0:
-                    raise OSError(errno.EIO, "short write")
+                    raise TierError(errno.EIO, "short write")
                 written += n
                 parts = _skip(parts, n)
             if self.fsync:

@@ -1,6 +1,6 @@
 """The worker side of the tiers: each rank runs the StepPlan's tier jobs on its own host rows.
 
-The scheduler side (:class:`~kvoffload.tiers.TieredScheduler`) decides what to cascade and promote; a
+The scheduler side (:class:`~kvoffload.tiers.Tiering`) decides what to cascade and promote; a
 :class:`TierWorker` per rank does the IO between that rank's host rows and its tier namespace, and reports
 each job back as a ``TierJobResult`` on the ``WorkerReport``.
 """

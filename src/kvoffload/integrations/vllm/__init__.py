@@ -44,7 +44,6 @@ except ImportError:  # pragma: no cover - depends on the installed vLLM
     KVConnectorTransferResults = None
 
 from kvoffload._generated import LoadMode
-from kvoffload._translate import translate_snapshot
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm._config import parse_connector_config, parse_tiering_config
 from kvoffload.integrations.vllm._messages import (
@@ -57,6 +56,7 @@ from kvoffload.integrations.vllm._scheduler import _SchedulerHalf
 from kvoffload.integrations.vllm._snapshot import _fit_chunk_size, snapshot_from_vllm
 from kvoffload.integrations.vllm._worker import _WorkerHalf
 from kvoffload.offload.scheduler import SchedulerStats
+from kvoffload.translate import translate_snapshot
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

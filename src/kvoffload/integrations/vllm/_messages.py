@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvoffload.errors import ConfigError
+from kvoffload.metrics import STAT_METRICS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -61,24 +62,6 @@ class KVOffloadConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-_INTERVAL_COUNTERS: dict[str, str] = {
-    # SchedulerStats field -> metric name (kvoffload.metrics' names, vLLM's where vLLM has one)
-    "lookups": "lookups",
-    "lookup_hits": "lookup_hits",
-    "lookup_misses": "lookup_misses",
-    "tokens_loaded": "load_tokens",
-    "tokens_stored": "store_tokens",
-    "bytes_loaded": "load_bytes",
-    "bytes_stored": "store_bytes",
-    "load_seconds": "load_time",
-    "store_seconds": "store_time",
-    "failed_loads": "failed_loads",
-    "failed_stores": "failed_stores",
-    "corrupt_loads": "corrupted_loads",
-    "allocation_failures": "allocation_failure",
-}
-
-
 class KVOffloadPromMetrics(KVConnectorPromMetrics):
     """kvoffload's counters in vLLM's own Prometheus registry: ``kvoffload_<name>_total``, per engine label.
 
@@ -94,7 +77,7 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._children: dict[str, dict[int, Any]] = {}
-        for metric in _INTERVAL_COUNTERS.values():
+        for metric in STAT_METRICS.values():
             counter = self._counter_cls(
                 name=f"kvoffload_{metric}", documentation=f"kvoffload {metric.replace('_', ' ')}", labelnames=labelnames
             )

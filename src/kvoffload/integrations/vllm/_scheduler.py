@@ -21,10 +21,9 @@ from kvoffload._generated import (
     VLLMConnectorConfig,
     WorkerReport,
 )
-from kvoffload.offload.manager import HostBlockManager
+from kvoffload.assembly import build_scheduler
+from kvoffload.metrics import STAT_METRICS
 from kvoffload.offload.pool import plan_host_pool_from_config
-from kvoffload.offload.scheduler import OffloadScheduler
-from kvoffload.tiers import TieredScheduler
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 from kvoffload.integrations.vllm._messages import (
-    _INTERVAL_COUNTERS,
     KVOffloadConnectorMetadata,
     KVOffloadConnectorStats,
     KVOffloadWorkerMetadata,
@@ -62,26 +60,16 @@ class _SchedulerHalf:
         self, config: OffloadingConfig, options: VLLMConnectorConfig, tiering: TieringConfig | None = None
     ) -> None:
         pool = plan_host_pool_from_config(config)
-        manager = HostBlockManager(
-            pool.num_chunks,
-            options.eviction_policy,
-            enable_events=config.enable_kv_cache_events,
+        self.scheduler = build_scheduler(
+            config,
+            tiering=tiering,
+            eviction_policy=options.eviction_policy,
             store_threshold=options.store_threshold,
             max_tracker_size=options.max_tracker_size,
+            enable_events=config.enable_kv_cache_events,
+            offload_prompt_only=options.offload_prompt_only,
+            null_block_id=_NULL_BLOCK_ID,
         )
-        self.scheduler: OffloadScheduler
-        if tiering is not None and tiering.secondary_tiers:
-            self.scheduler = TieredScheduler(
-                config,
-                manager,
-                tiering,
-                offload_prompt_only=options.offload_prompt_only,
-                null_block_id=_NULL_BLOCK_ID,
-            )
-        else:
-            self.scheduler = OffloadScheduler(
-                config, manager, offload_prompt_only=options.offload_prompt_only, null_block_id=_NULL_BLOCK_ID
-            )
         self.async_loads = options.load_mode is LoadMode.ASYNC
         self._group_ids = [g.group_id for g in config.groups]
         self._live: dict[str, Request] = {}  # every unfinished request vLLM told us about
@@ -211,13 +199,12 @@ class _SchedulerHalf:
             self.scheduler.on_worker_reports(reports)
 
     def close(self) -> None:
-        if isinstance(self.scheduler, TieredScheduler):
-            self.scheduler.close()
+        self.scheduler.close()
 
     def interval_stats(self) -> KVOffloadConnectorStats:
         """Counter increases since the previous call (what vLLM aggregates, logs and exports)."""
         stats = self.scheduler.stats()
-        now: dict[str, float] = {metric: getattr(stats, field) for field, metric in _INTERVAL_COUNTERS.items()}
+        now: dict[str, float] = {metric: getattr(stats, field) for field, metric in STAT_METRICS.items()}
         for reason, count in stats.lookup_miss_reasons.items():
             now[f"lookup_misses_{reason.value}"] = count
         delta: dict[str, Any] = {}

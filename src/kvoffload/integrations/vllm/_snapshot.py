@@ -22,8 +22,8 @@ from kvoffload._generated import (
     UniformTypeKVCacheSpecs,
 )
 from kvoffload._ints import round_up
-from kvoffload._translate import translate_snapshot
 from kvoffload.errors import ConfigError
+from kvoffload.translate import translate_snapshot
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -13,12 +13,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvoffload import wire
 from kvoffload._generated import KVCacheConfig, OffloadingConfig, StepPlan, TieringConfig
 from kvoffload._packed import Int64Array
+from kvoffload.assembly import WorkerParts, build_worker
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm._messages import KVOffloadConnectorMetadata, KVOffloadWorkerMetadata
-from kvoffload.offload.pool import HostPool, plan_host_pool_from_config
+from kvoffload.offload.pool import HostPool
 from kvoffload.offload.worker import OffloadWorker
-from kvoffload.offload.worker.copy import CopyEngine, transfer_layout_from_config
-from kvoffload.tiers import TierWorker
+from kvoffload.offload.worker.copy import transfer_layout_from_config
 
 
 @dataclass
@@ -41,7 +41,7 @@ class _WorkerHalf:
     tiering: TieringConfig | None = None
     on_cpu: bool = True
     worker: OffloadWorker | None = None
-    pool: HostPool | None = None
+    parts: WorkerParts | None = None
     plan: StepPlan | None = None
     started: KVConnectorMetadata | None = None
     loads: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
@@ -65,12 +65,13 @@ class _WorkerHalf:
                         f"the KVCacheConfig places it at {layer.engine_offset}"
                     )
         self.on_cpu = flat.device.type == "cpu"
-        self.pool = HostPool(plan_host_pool_from_config(self.config))
-        engine = CopyEngine(flat, layout, self.pool, checksums=self.checksums)
-        tiers = None
-        if self.tiering is not None and self.tiering.secondary_tiers:
-            tiers = TierWorker(self.tiering, self.config, self.pool, checksums=self.checksums)
-        self.worker = OffloadWorker(engine, rank=self.config.parallel.rank, tiers=tiers)
+        self.parts = build_worker(self.config, flat, layout, tiering=self.tiering, checksums=self.checksums)
+        self.worker = self.parts.worker
+
+    @property
+    def pool(self) -> HostPool | None:
+        """The rank's host pool, once ``register_kv_caches`` built it."""
+        return None if self.parts is None else self.parts.pool
 
     def _worker(self) -> OffloadWorker:
         if self.worker is None:
@@ -143,10 +144,8 @@ class _WorkerHalf:
         return KVOffloadWorkerMetadata(reports)
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
-        if self.pool is not None:
-            self.pool.close()
+        if self.parts is not None:
+            self.parts.close()
 
 
 def _vllm_request_id(sid: str) -> str:

@@ -276,15 +276,19 @@ class ManagerState:
             return MissReason.BELOW_STORE_THRESHOLD
         return MissReason.NEVER_STORED
 
+    @property
+    def usage(self) -> float:
+        """Share of chunks that cannot be evicted (pending or pinned): vLLM's ``cpu_cache_usage_perc``."""
+        num_chunks = self._num_chunks
+        if num_chunks <= 0:
+            return 0.0
+        return (self._next_fresh - len(self._free) - self._evictable) / num_chunks
+
     def stats(self) -> ManagerStats:
         """Return usage gauges and counters; allocation sizes and skipped stores restart from zero."""
         num_chunks = self._num_chunks
-        if num_chunks > 0:
-            used = self._next_fresh - len(self._free) - self._evictable
-            usage = used / num_chunks
-            write_usage = self._write_pending / num_chunks
-        else:
-            usage = write_usage = 0.0
+        usage = self.usage
+        write_usage = self._write_pending / num_chunks if num_chunks > 0 else 0.0
         sizes = tuple(self._alloc_sizes)
         self._alloc_sizes.clear()
         skipped = self._stores_skipped

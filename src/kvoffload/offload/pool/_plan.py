@@ -163,11 +163,11 @@ def plan_host_pool_from_config(config: OffloadingConfig) -> HostPoolPlan:
             f"cpu_bytes_to_use={raw!r}: it must be specified in kv_connector_extra_config (the total host "
             f"budget in bytes across all {config.parallel.world_size} workers)"
         )
+    if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+        raise ConfigError(f"cpu_bytes_to_use={raw!r} is not a number of bytes")
     try:
-        if isinstance(raw, bool) or not isinstance(raw, int | float | str):
-            raise TypeError(type(raw).__name__)
         budget = int(raw)
-    except (TypeError, ValueError) as exc:
+    except (ValueError, OverflowError) as exc:
         raise ConfigError(f"cpu_bytes_to_use={raw!r} is not a number of bytes") from exc
     return plan_host_pool(
         worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,

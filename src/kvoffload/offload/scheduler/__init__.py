@@ -6,6 +6,8 @@ transfer planning (``_transfers``) and report handling (``_reports``). Features 
 plug in through :class:`SchedulerExtension`.
 """
 
+from kvoffload.offload._direction import Direction
+from kvoffload.offload.scheduler._extension import SchedulerExtension
 from kvoffload.offload.scheduler._misses import ChunkMiss
 from kvoffload.offload.scheduler._results import ReportOutcome, SchedulerStats
 from kvoffload.offload.scheduler._scan import maximal_prefix_lookup, sliding_window_lookup
@@ -13,8 +15,10 @@ from kvoffload.offload.scheduler._scheduler import OffloadScheduler
 
 __all__ = [
     "ChunkMiss",
+    "Direction",
     "OffloadScheduler",
     "ReportOutcome",
+    "SchedulerExtension",
     "SchedulerStats",
     "maximal_prefix_lookup",
     "sliding_window_lookup",

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvoffload._generated import MissReason
 
@@ -19,36 +18,58 @@ class ReportOutcome:
     failed_stores: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SchedulerStats:
-    """Totals since construction (cache usage is the manager's current gauge)."""
+    """The scheduler's running totals since construction, and two gauges filled in by ``stats()``.
 
-    lookups: int
-    lookup_hits: int
-    lookup_misses: int
-    lookups_deferred: int
-    tokens_loaded: int
-    tokens_stored: int
-    allocation_failures: int
-    load_jobs: int
-    store_jobs: int
-    failed_jobs: int
-    bytes_loaded: int
-    bytes_stored: int
-    load_seconds: float
-    store_seconds: float
-    cache_usage: float
-    jobs_in_flight: int
+    The scheduler counts into one instance of this class as it works; :meth:`OffloadScheduler.stats` returns a
+    copy with ``cache_usage`` (the manager's current gauge) and ``jobs_in_flight`` set, so a caller's copy never
+    changes under it. Anything keyed by field name (metrics, the vLLM connector's interval stats) reads these
+    field names.
+    """
+
+    lookups: int = 0
+    lookup_hits: int = 0
+    lookup_misses: int = 0
+    lookups_deferred: int = 0
+    tokens_loaded: int = 0
+    tokens_stored: int = 0
+    allocation_failures: int = 0
+    load_jobs: int = 0
+    store_jobs: int = 0
+    failed_jobs: int = 0
+    bytes_loaded: int = 0
+    bytes_stored: int = 0
+    load_seconds: float = 0.0
+    store_seconds: float = 0.0
+    cache_usage: float = 0.0
+    """Gauge: share of host chunks that cannot be evicted (the manager's ``usage``), at the ``stats()`` call."""
+    jobs_in_flight: int = 0
+    """Gauge: copy jobs not yet reported by every worker, at the ``stats()`` call."""
     corrupt_loads: int = 0
     """Load jobs failed because a worker found a host chunk corrupt (integrity); the request recomputes."""
     corrupted_chunks: int = 0
     """Keys dropped from the manager because their host chunk did not verify."""
-    # -- observability (issue 13)
-    lookup_miss_reasons: Mapping[MissReason, int] = field(default_factory=dict)
+    lookup_miss_reasons: dict[MissReason, int] = field(default_factory=dict)
     """Lookups that loaded nothing (or were deferred by a pending store), by the reason of their first miss."""
-    chunk_miss_reasons: Mapping[MissReason, int] = field(default_factory=dict)
+    chunk_miss_reasons: dict[MissReason, int] = field(default_factory=dict)
     """Wanted chunks that lookups did not load, by reason (a chunk counts once per lookup)."""
-    chunks_removed: Mapping[MissReason, int] = field(default_factory=dict)
+    chunks_removed: dict[MissReason, int] = field(default_factory=dict)
     """Chunks dropped as corrupt by load reports (integrity) or through :meth:`OffloadScheduler.forget_chunk`."""
     failed_loads: int = 0
     failed_stores: int = 0
+
+    def count(self, reasons: dict[MissReason, int], reason: MissReason, n: int = 1) -> None:
+        """Add ``n`` to ``reasons[reason]`` (one of the three by-reason tables of this instance)."""
+        reasons[reason] = reasons.get(reason, 0) + n
+
+    def snapshot(self, *, cache_usage: float, jobs_in_flight: int) -> SchedulerStats:
+        """A copy (the by-reason tables copied too) with the two gauges set."""
+        return replace(
+            self,
+            cache_usage=cache_usage,
+            jobs_in_flight=jobs_in_flight,
+            lookup_miss_reasons=dict(self.lookup_miss_reasons),
+            chunk_miss_reasons=dict(self.chunk_miss_reasons),
+            chunks_removed=dict(self.chunks_removed),
+        )

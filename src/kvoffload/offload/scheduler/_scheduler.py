@@ -26,28 +26,76 @@ manager, so they are never served again (``SchedulerStats.corrupt_loads`` / ``co
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from kvoffload._generated import BlockRemoved, BlockStored, KVEvent
+from kvoffload._generated import (
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    MissReason,
+    OffloadingConfig,
+    StepPlan,
+    WorkerReport,
+)
 from kvoffload._ints import check_int, check_optional_int
 from kvoffload.errors import ConfigError, InvalidStateError
-from kvoffload.offload.keys import BlockHash, offload_key_group, offload_key_hash
-from kvoffload.offload.scheduler._lookups import SchedulerLookup
-from kvoffload.offload.scheduler._reports import SchedulerReports
-from kvoffload.offload.scheduler._results import SchedulerStats
-from kvoffload.offload.scheduler._state import RequestState
-from kvoffload.offload.scheduler._transfers import SchedulerTransfers
+from kvoffload.offload.keys import BlockHash, OffloadKey, offload_key_group, offload_key_hash
+from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.scheduler._extension import SchedulerExtension
+from kvoffload.offload.scheduler._lookups import Lookups
+from kvoffload.offload.scheduler._misses import ChunkMiss
+from kvoffload.offload.scheduler._reports import Reports
+from kvoffload.offload.scheduler._results import ReportOutcome, SchedulerStats
+from kvoffload.offload.scheduler._state import GroupGeometry, RequestState, SchedulerBook
+from kvoffload.offload.scheduler._transfers import Transfers
 
 __all__ = ["OffloadScheduler"]
 
 
-class OffloadScheduler(SchedulerLookup, SchedulerTransfers, SchedulerReports):
+class OffloadScheduler:
     """Decides, per request, which chunks to load from and store into the host pool (vLLM 0.33 semantics).
 
     ``offload_prompt_only`` defaults to ``extra_config["offload_prompt_only"]`` (True when absent, as in
     vLLM): decode-phase KV is not offloaded unless it is turned off. ``null_block_id`` names the engine's
     placeholder block (vLLM uses 0 for blocks a sliding window dropped): chunks holding it are never stored.
+    ``extension`` plugs in what lies below the host pool (:class:`~kvoffload.tiers.Tiering`); see
+    :class:`SchedulerExtension` for when its hooks run.
     """
+
+    def __init__(
+        self,
+        config: OffloadingConfig,
+        manager: HostBlockManager,
+        *,
+        offload_prompt_only: bool | None = None,
+        null_block_id: int | None = None,
+        extension: SchedulerExtension | None = None,
+    ) -> None:
+        if offload_prompt_only is None:
+            offload_prompt_only = bool(config.extra_config.get("offload_prompt_only", True))
+        self.config = config
+        self.manager = manager
+        self.extension = extension
+        book = self._book = SchedulerBook(config, manager)
+        self._lookups = Lookups(book)
+        self._transfers = Transfers(book, offload_prompt_only=offload_prompt_only, null_block_id=null_block_id)
+        self._reports = Reports(book, self._transfers, self._store_completed)
+        self.world_size = book.world_size
+
+    @property
+    def offload_prompt_only(self) -> bool:
+        """Whether only prompt tokens are stored (decode-phase KV is not offloaded)."""
+        return self._transfers.offload_prompt_only
+
+    @property
+    def null_block_id(self) -> int | None:
+        """The engine's placeholder block id (never stored), or None."""
+        return self._transfers.null_block_id
+
+    @property
+    def groups(self) -> tuple[GroupGeometry, ...]:
+        """The chunk geometry of each offloaded group, in config order."""
+        return self._book.groups
 
     # ------------------------------------------------------------------------------------------ requests
 
@@ -66,7 +114,7 @@ class OffloadScheduler(SchedulerLookup, SchedulerTransfers, SchedulerReports):
         ``prompt_len`` defaults to ``num_tokens``; ``max_load_tokens`` / ``max_offload_tokens`` cap what is
         loaded from / stored to the host for this request (vLLM's per-request ``kv_transfer_params``).
         """
-        if req_id in self._requests:
+        if req_id in self._book.requests:
             raise InvalidStateError(f"request {req_id!r} is already registered")
         num_tokens = check_int("num_tokens", num_tokens)
         prompt = num_tokens if prompt_len is None else check_int("prompt_len", prompt_len, 0, num_tokens)
@@ -77,25 +125,25 @@ class OffloadScheduler(SchedulerLookup, SchedulerTransfers, SchedulerReports):
             prompt_len=prompt,
             max_load_tokens=check_optional_int("max_load_tokens", max_load_tokens),
             max_offload_tokens=check_optional_int("max_offload_tokens", max_offload_tokens),
-            keys=[[] for _ in self._groups],
-            block_ids=[[] for _ in self._groups],
-            next_stored=[0 for _ in self._groups],
+            keys=[[] for _ in self._book.groups],
+            block_ids=[[] for _ in self._book.groups],
+            next_stored=[0 for _ in self._book.groups],
         )
-        self._requests[req_id] = req
-        self._update_keys(req)
+        self._book.requests[req_id] = req
+        self._book.update_keys(req)
 
     def extend_request(self, req_id: str, new_block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         """Append block hashes and raise the token count as a request decodes."""
-        req = self._request(req_id)
+        req = self._book.request(req_id)
         if num_tokens < req.num_tokens:
             raise ConfigError(f"num_tokens of {req_id!r} cannot shrink ({req.num_tokens} -> {num_tokens})")
         req.block_hashes.extend(new_block_hashes)
         req.num_tokens = num_tokens
-        self._update_keys(req)
+        self._book.update_keys(req)
 
     def on_tokens_computed(self, req_id: str, num_computed_tokens: int) -> None:
         """Advance a request's computed tokens; newly complete chunks are stored by the next step plan."""
-        req = self._request(req_id)
+        req = self._book.request(req_id)
         if num_computed_tokens > req.num_tokens:
             raise ConfigError(
                 f"num_computed_tokens={num_computed_tokens} exceeds num_tokens={req.num_tokens} of {req_id!r}"
@@ -109,15 +157,17 @@ class OffloadScheduler(SchedulerLookup, SchedulerTransfers, SchedulerReports):
 
         Its engine blocks stay fenced until their stores complete: reallocating one flushes the store.
         """
-        req = self._request(req_id)
-        self._release_pins(req)
+        req = self._book.request(req_id)
+        self._book.release_pins(req)
         req.finished = True
         # vLLM's order: every key the request loaded, stored or reused, by end-token position then group id;
         # the policy refreshes them so that the request's first chunk (a shared prefix) ends most recent.
         keys = sorted(req.accessed, key=req.accessed.__getitem__)
         self.manager.on_request_finished(keys, req.reused_keys, request_id=req_id)
         if not req.jobs:
-            self._drop(req)
+            self._book.drop(req)
+        if self.extension is not None:
+            self.extension.on_request_finished(req_id)
 
     def abort_request(self, req_id: str) -> None:
         """Abort a request mid-flight: pins released, in-flight stores flushed by the next step plan.
@@ -125,62 +175,132 @@ class OffloadScheduler(SchedulerLookup, SchedulerTransfers, SchedulerReports):
         In-flight loads still complete on the workers (copies cannot be recalled); their results only
         release the chunks.
         """
-        req = self._request(req_id)
+        req = self._book.request(req_id)
         for job_id in req.jobs:
-            if self._jobs[job_id].is_store:
-                self._flush.add(job_id)
-        # A load not yet handed to the workers is dropped here: nothing will ever report it.
-        unsent = {j.job_id for j in self._pending_loads if j.req_id == req_id}
-        self._pending_loads = [j for j in self._pending_loads if j.req_id != req_id]
-        for job_id in unsent:
-            self._release_load(self._jobs.pop(job_id))
-            req.jobs.discard(job_id)
+            if self._book.jobs[job_id].is_store:
+                self._transfers.flush(job_id)
+        self._transfers.withdraw_loads(req)
         self.finish_request(req_id)
 
     def reset(self) -> None:
         """Drop every stored chunk (vLLM ``reset_cache``): in-flight jobs are flushed and become stale."""
-        for req in self._requests.values():
-            self._release_pins(req)
-            req.next_stored = [0 for _ in self._groups]
-        for job in self._jobs.values():
+        if self.extension is not None:
+            self.extension.reset()
+        for req in self._book.requests.values():
+            self._book.release_pins(req)
+            req.next_stored = [0 for _ in self._book.groups]
+        for job in self._book.jobs.values():
             job.stale = True
-            self._flush.add(job.job_id)
+            self._transfers.flush(job.job_id)
         self.manager.reset()
 
     def has_pending_work(self) -> bool:
-        """Whether jobs are in flight or queued."""
-        return bool(self._jobs or self._pending_loads)
+        """Whether copy jobs are in flight or queued, or the extension has work pending."""
+        if self._book.jobs or self._transfers.has_queued_loads():
+            return True
+        return self.extension is not None and self.extension.has_pending_work()
+
+    def close(self) -> None:
+        """Release the extension's resources (threads, connections); the scheduler itself holds none."""
+        if self.extension is not None:
+            self.extension.close()
+
+    # ------------------------------------------------------------------------------------ lookups
+
+    def lookup(self, req_id: str, num_computed_tokens: int) -> int | None:
+        """Tokens beyond ``num_computed_tokens`` that can be loaded from the host, or None to ask again later.
+
+        The hit is chunk-aligned, leaves at least the last token to compute, and its chunks are pinned
+        until ``on_blocks_allocated`` turns them into a load job (or the next lookup/abort releases them).
+        ``None`` means a needed chunk is still being written or loaded, the request has a job in flight, or
+        the extension is still bringing chunks into the host pool.
+        """
+        ext = self.extension
+        if ext is not None:
+            req = self._book.request(req_id)
+            if ext.defer_lookup(req_id, req.keys, num_computed_tokens):
+                self._book.stats.lookups += 1
+                self._book.stats.lookups_deferred += 1
+                return None
+        return self._lookups.lookup(req_id, num_computed_tokens)
+
+    def lookup_misses(self, req_id: str) -> tuple[ChunkMiss, ...]:
+        """The chunks the request's last lookup wanted but did not load, each with its :class:`MissReason`.
+
+        Empty before the first lookup, after a full hit, and for a lookup deferred for another reason than a
+        pending store (the request has a job in flight, or another request is loading the chunks).
+        """
+        return self._book.request(req_id).misses
+
+    def forget_chunk(self, key: OffloadKey, reason: MissReason) -> bool:
+        """Drop one chunk from the pool for ``reason`` and remember it, so later misses on it say why.
+
+        The hook for features that find a chunk unusable: a tier that cannot serve it
+        (``MissReason.TIER_UNAVAILABLE``), or a checksum mismatch found elsewhere than in a load report
+        (``MissReason.CORRUPT``; corrupt chunks named by worker reports are dropped already). Returns True when
+        the chunk was resident and is dropped (a chunk pinned by loads is never served again and is freed at
+        its last unpin); an absent one only has its reason remembered. A chunk whose store is in flight raises
+        :class:`InvalidStateError`.
+        """
+        return self._lookups.forget_chunk(key, reason)
+
+    # ------------------------------------------------------------------------------------ transfers
+
+    def on_blocks_allocated(
+        self, req_id: str, new_block_ids: Sequence[Sequence[int]], *, num_external_tokens: int = 0
+    ) -> None:
+        """Record engine blocks newly allocated to a request, one list per offloaded group (config order).
+
+        With ``num_external_tokens`` > 0 (at most what ``lookup`` returned, chunk-aligned) a load job is
+        queued for the next step plan; blocks that an in-flight store still reads are flushed first.
+        """
+        self._transfers.on_blocks_allocated(req_id, new_block_ids, num_external_tokens=num_external_tokens)
+
+    def build_step_plan(self) -> StepPlan:
+        """The StepPlan for this step: queued loads, stores of newly complete chunks, flushes, tier jobs."""
+        # The extension plans first: chunks it pins are then safe from this step's store evictions.
+        tier_jobs = self.extension.plan_tier_jobs() if self.extension is not None else ()
+        return self._transfers.build_step_plan(tier_jobs)
+
+    # ------------------------------------------------------------------------------------ reports
+
+    def on_worker_reports(self, reports: Iterable[WorkerReport]) -> ReportOutcome:
+        """Count worker results; a job completes once all ``world_size`` workers reported it.
+
+        A job any worker failed is a failure: its stored chunks are freed (never marked ready) and a failed
+        load's request must recompute. Reports of unknown or stale jobs are ignored. The extension then gets
+        the same reports (its own jobs' results).
+        """
+        reports = list(reports)
+        outcome = self._reports.on_worker_reports(reports)
+        if self.extension is not None:
+            self.extension.on_worker_reports(reports)
+        return outcome
+
+    def fail_jobs(self, job_ids: Iterable[int]) -> ReportOutcome:
+        """Fail copy jobs outright (e.g. a worker died before reporting them): pins released, data never ready."""
+        return self._reports.fail_jobs(job_ids)
+
+    def fail_in_flight(self) -> ReportOutcome:
+        """A worker died: fail every copy job in flight and every job of the extension's."""
+        outcome = self._reports.fail_jobs(self.in_flight_job_ids())
+        if self.extension is not None:
+            self.extension.fail_in_flight()
+        return outcome
+
+    def in_flight_job_ids(self) -> list[int]:
+        """Ids of copy jobs not yet reported by every worker."""
+        return sorted(self._book.jobs)
+
+    def _store_completed(self, keys: list[OffloadKey]) -> None:
+        if self.extension is not None:
+            self.extension.on_store_completed(keys)
 
     # ------------------------------------------------------------------------------------- stats, events
 
     def stats(self) -> SchedulerStats:
-        """Counters since construction plus the manager's current cache usage."""
-        c = self._counters
-        return SchedulerStats(
-            lookups=c["lookups"],
-            lookup_hits=c["lookup_hits"],
-            lookup_misses=c["lookup_misses"],
-            lookups_deferred=c["lookups_deferred"],
-            tokens_loaded=c["tokens_loaded"],
-            tokens_stored=c["tokens_stored"],
-            allocation_failures=c["allocation_failures"],
-            load_jobs=c["load_jobs"],
-            store_jobs=c["store_jobs"],
-            failed_jobs=c["failed_jobs"],
-            bytes_loaded=c["bytes_loaded"],
-            bytes_stored=c["bytes_stored"],
-            load_seconds=self._seconds["load"],
-            store_seconds=self._seconds["store"],
-            cache_usage=self.manager.stats().usage,
-            jobs_in_flight=len(self._jobs),
-            corrupt_loads=c["corrupt_loads"],
-            corrupted_chunks=c["corrupted_chunks"],
-            lookup_miss_reasons=dict(self._lookup_misses),
-            chunk_miss_reasons=dict(self._chunk_misses),
-            chunks_removed=dict(self._removed),
-            failed_loads=self._failed["load"],
-            failed_stores=self._failed["store"],
-        )
+        """Counters since construction plus the manager's current cache usage (a copy; no side effect)."""
+        return self._book.stats.snapshot(cache_usage=self.manager.usage, jobs_in_flight=len(self._book.jobs))
 
     def take_events(self) -> list[KVEvent]:
         """KV cache events since the last call, as schema types (vLLM's placeholder payloads).

@@ -5,32 +5,65 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvoffload._generated import StepPlan, TransferJob
+from kvoffload._generated import StepPlan, TierJob, TransferJob
 from kvoffload._packed import pack_int32, pack_int64
 from kvoffload.errors import ConfigError, InvalidStateError
+from kvoffload.offload._direction import Direction
 from kvoffload.offload.keys import OffloadKey, key_tags
-from kvoffload.offload.scheduler._state import RequestState, SchedulerState
+from kvoffload.offload.scheduler._state import JobState, RequestState, SchedulerBook
 
-__all__ = ["SchedulerTransfers"]
+__all__ = ["Transfers"]
 
 
-class SchedulerTransfers(SchedulerState):
-    """The transfer-planning part of the offload scheduler: load jobs on allocation, store jobs per step."""
+class Transfers:
+    """The transfer-planning part of the offload scheduler: load jobs on allocation, store jobs per step.
+
+    Owns what only planning needs: the loads queued for the next plan, the jobs to flush, the engine blocks
+    fenced by in-flight stores, and the step counter.
+    """
+
+    def __init__(self, book: SchedulerBook, *, offload_prompt_only: bool, null_block_id: int | None) -> None:
+        self._book = book
+        self._stats = book.stats
+        self._manager = book.manager
+        self.offload_prompt_only = offload_prompt_only
+        self.null_block_id = null_block_id
+        self._step = 0
+        self._pending_loads: list[TransferJob] = []
+        self._flush: set[int] = set()
+        self._fenced: dict[int, int] = {}  # engine block id -> in-flight store job id
+
+    def flush(self, job_id: int) -> None:
+        """Have the workers flush job ``job_id`` (a store whose blocks are needed, or a stale job) next step."""
+        self._flush.add(job_id)
+
+    def unfence(self, job: JobState) -> None:
+        """A store completed: its engine blocks may be reused without a flush."""
+        for block in job.blocks:
+            if self._fenced.get(block) == job.job_id:
+                del self._fenced[block]
+
+    def withdraw_loads(self, req: RequestState) -> None:
+        """Drop the request's loads not yet handed to the workers: nothing will ever report them."""
+        unsent = {j.job_id for j in self._pending_loads if j.req_id == req.req_id}
+        self._pending_loads = [j for j in self._pending_loads if j.req_id != req.req_id]
+        for job_id in unsent:
+            self._book.release_load(self._book.jobs.pop(job_id))
+            req.jobs.discard(job_id)
+
+    def has_queued_loads(self) -> bool:
+        return bool(self._pending_loads)
 
     def on_blocks_allocated(
         self, req_id: str, new_block_ids: Sequence[Sequence[int]], *, num_external_tokens: int = 0
     ) -> None:
-        """Record engine blocks newly allocated to a request, one list per offloaded group (config order).
-
-        With ``num_external_tokens`` > 0 (at most what ``lookup`` returned, chunk-aligned) a load job is
-        queued for the next step plan; blocks that an in-flight store still reads are flushed first.
-        """
-        req = self._request(req_id)
-        if len(new_block_ids) != len(self._groups):
+        """Record newly allocated engine blocks and queue the load of the last lookup's hit, if any."""
+        req = self._book.request(req_id)
+        if len(new_block_ids) != len(self._book.groups):
             raise ConfigError(
-                f"new_block_ids has {len(new_block_ids)} lists but the config offloads {len(self._groups)} groups"
+                f"new_block_ids has {len(new_block_ids)} lists but the config offloads {len(self._book.groups)} groups"
             )
-        for g, ids in zip(self._groups, new_block_ids, strict=True):
+        for g, ids in zip(self._book.groups, new_block_ids, strict=True):
             for block in ids:
                 job_id = self._fenced.get(block)
                 if job_id is not None:
@@ -39,7 +72,7 @@ class SchedulerTransfers(SchedulerState):
         if num_external_tokens:
             self._queue_load(req, num_external_tokens)
         else:
-            self._release_pins(req)
+            self._book.release_pins(req)
 
     def _queue_load(self, req: RequestState, num_external_tokens: int) -> None:
         start = req.hit_start
@@ -53,13 +86,13 @@ class SchedulerTransfers(SchedulerState):
         block_indices: list[int] = []
         blocks: list[int] = []
         keys: list[OffloadKey] = []
-        for g in self._groups:
+        for g in self._book.groups:
             if end % g.tokens_per_chunk and end != req.hit_end:
                 raise InvalidStateError(
                     f"request {req.req_id!r}: num_external_tokens={num_external_tokens} is not chunk-aligned "
                     f"({g.tokens_per_chunk} tokens per chunk in group {g.group_id})"
                 )
-            first, last = self._load_range(g, start, end)
+            first, last = self._book.load_range(g, start, end)
             ids = req.block_ids[g.index]
             if last > len(ids):
                 raise InvalidStateError(
@@ -68,21 +101,21 @@ class SchedulerTransfers(SchedulerState):
             group_sizes.append(max(0, last - first))
             block_indices.append(first)
             blocks.extend(ids[first:last])
-            group_keys = self._chunk_keys_of_blocks(req, g, first, last)
+            group_keys = self._book.chunk_keys_of_blocks(req, g, first, last)
             keys.extend(group_keys)
-            bpc = self.config.cache.blocks_per_chunk
+            bpc = self._book.blocks_per_chunk
             for chunk, key in enumerate(group_keys, start=first // bpc):
                 req.accessed[key] = ((chunk + 1) * g.tokens_per_chunk, g.group_id)
         used = set(keys)
         unused = [k for k in req.pinned if k not in used]
         if unused:
-            self.manager.complete_load(unused)
+            self._manager.complete_load(unused)
         req.pinned = []
-        chunk_ids = [self.manager.chunk_id(k) for k in keys]
-        job = self._new_job(req, is_store=False, keys=keys, num_tokens=num_external_tokens, blocks=())
+        chunk_ids = [self._manager.chunk_id(k) for k in keys]
+        job = self._book.new_job(req, Direction.LOAD, keys=keys, num_tokens=num_external_tokens, blocks=())
         job.chunk_keys = {c: k for c, k in zip(chunk_ids, keys, strict=True) if c is not None}
         for key in keys:
-            self._loading[key] = self._loading.get(key, 0) + 1
+            self._book.loading[key] = self._book.loading.get(key, 0) + 1
         req.reused_keys.update(keys)
         self._pending_loads.append(
             TransferJob(
@@ -96,19 +129,20 @@ class SchedulerTransfers(SchedulerState):
             )
         )
         # Loaded chunks are already on the host: do not store them again (vLLM's CHUNK_LEVEL policy).
-        for g in self._groups:
+        for g in self._book.groups:
             req.next_stored[g.index] = max(req.next_stored[g.index], end // g.tokens_per_chunk)
 
     # ------------------------------------------------------------------------------------------ step plan
 
-    def build_step_plan(self) -> StepPlan:
-        """The StepPlan for this step: queued loads, stores of newly complete chunks, and flushes."""
-        store_jobs = [job for req in list(self._requests.values()) if (job := self._plan_store(req))]
+    def build_step_plan(self, tier_jobs: tuple[TierJob, ...] = ()) -> StepPlan:
+        """The StepPlan for this step: queued loads, stores of newly complete chunks, flushes and ``tier_jobs``."""
+        store_jobs = [job for req in list(self._book.requests.values()) if (job := self._plan_store(req))]
         plan = StepPlan(
             step=self._step,
             load_jobs=tuple(self._pending_loads),
             store_jobs=tuple(store_jobs),
             flush=pack_int64(sorted(self._flush)),
+            tier_jobs=tier_jobs,
         )
         self._step += 1
         self._pending_loads = []
@@ -126,13 +160,13 @@ class SchedulerTransfers(SchedulerState):
     def _plan_store(self, req: RequestState) -> TransferJob | None:
         if req.finished:
             return None
-        bpc = self.config.cache.blocks_per_chunk
+        bpc = self._book.blocks_per_chunk
         tokens = self._offloadable_tokens(req)
         null = self.null_block_id
         ranges: list[tuple[int, int]] = []
         offered: list[OffloadKey] = []
         positions: dict[OffloadKey, tuple[int, int]] = {}
-        for g in self._groups:
+        for g in self._book.groups:
             ids = req.block_ids[g.index]
             end = min(tokens // g.tokens_per_chunk, len(ids) // bpc, len(req.keys[g.index]))
             start = req.next_stored[g.index]
@@ -143,20 +177,20 @@ class SchedulerTransfers(SchedulerState):
                     offered.append(key)
                     positions[key] = ((chunk + 1) * g.tokens_per_chunk, g.group_id)
         if not offered:
-            for g, (start, end) in zip(self._groups, ranges, strict=True):
+            for g, (start, end) in zip(self._book.groups, ranges, strict=True):
                 req.next_stored[g.index] = max(start, end)
             return None
         # As vLLM's manager, the request's accesses are the offered keys already stored (reused) and the
         # keys it stores; the order the policy sees at finish comes from their positions.
-        ready = [key for key in offered if self.manager.is_ready(key)]
+        ready = [key for key in offered if self._manager.is_ready(key)]
         req.reused_keys.update(ready)
         for key in ready:
             req.accessed[key] = positions[key]
-        plan = self.manager.prepare_store(offered, request_id=req.req_id)
+        plan = self._manager.prepare_store(offered, request_id=req.req_id)
         if plan is None:
-            self._counters["allocation_failures"] += 1
+            self._stats.allocation_failures += 1
             return None  # no progress: retried next step, as vLLM does
-        for g, (start, end) in zip(self._groups, ranges, strict=True):
+        for g, (start, end) in zip(self._book.groups, ranges, strict=True):
             req.next_stored[g.index] = max(start, end)
         accepted = set(plan.keys_to_store)
         for key in plan.keys_to_store:
@@ -168,7 +202,7 @@ class SchedulerTransfers(SchedulerState):
         blocks: list[int] = []
         keys: list[OffloadKey] = []
         num_tokens = 0
-        for g, (start, end) in zip(self._groups, ranges, strict=True):
+        for g, (start, end) in zip(self._book.groups, ranges, strict=True):
             first_block: int | None = None
             size = 0
             for chunk in range(start, end):
@@ -184,7 +218,7 @@ class SchedulerTransfers(SchedulerState):
             block_indices.append(first_block or 0)
             num_tokens = max(num_tokens, size // bpc * g.tokens_per_chunk)
         chunk_of = dict(zip(plan.keys_to_store, plan.chunk_ids, strict=True))
-        job = self._new_job(req, is_store=True, keys=keys, num_tokens=num_tokens, blocks=tuple(blocks))
+        job = self._book.new_job(req, Direction.STORE, keys=keys, num_tokens=num_tokens, blocks=tuple(blocks))
         for block in blocks:
             self._fenced[block] = job.job_id
         return TransferJob(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from kvoffload._generated import JobResult, StepPlan, TransferJob, WorkerReport
 from kvoffload._packed import Int32Array, Int64Array
 from kvoffload.errors import KVOffloadError
+from kvoffload.offload._direction import Direction
 from kvoffload.offload.worker.copy import CopyEngine
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class OffloadWorker:
         if plan.flush:
             self.engine.wait(Int64Array.from_buffer(plan.flush).tolist())
         for job in plan.load_jobs:
-            self._submit(job, is_store=False)
+            self._submit(job, Direction.LOAD)
         if self.tiers is not None and plan.tier_jobs:
             self.tiers.submit(plan.tier_jobs)
 
@@ -97,10 +98,10 @@ class OffloadWorker:
     def _submit_deferred(self) -> None:
         jobs, self._deferred_stores = self._deferred_stores, []
         for job in jobs:
-            self._submit(job, is_store=True)
+            self._submit(job, Direction.STORE)
 
-    def _submit(self, job: TransferJob, *, is_store: bool) -> None:
-        submit = self.engine.submit_store if is_store else self.engine.submit_load
+    def _submit(self, job: TransferJob, direction: Direction) -> None:
+        submit = self.engine.submit_store if direction is Direction.STORE else self.engine.submit_load
         started = time.perf_counter()
         try:
             submit(
@@ -116,7 +117,7 @@ class OffloadWorker:
                 JobResult(
                     job_id=job.job_id,
                     success=False,
-                    is_store=is_store,
+                    is_store=direction.is_store,
                     num_bytes=0,
                     seconds=time.perf_counter() - started,
                     error=f"{type(exc).__name__}: {exc}",

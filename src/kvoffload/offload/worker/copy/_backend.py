@@ -11,29 +11,17 @@ backend (:mod:`._cuda`) streams and events; :class:`~kvoffload.offload.worker.co
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvoffload._generated import JobResult
 from kvoffload._packed import pack_int64
+from kvoffload.offload._direction import Direction
 from kvoffload.offload.pool import BlockSlots, Digests, IntegrityTable
 from kvoffload.offload.worker.copy._runs import CopyRuns
 
 __all__ = ["CopyBackend", "Direction", "Integrity", "corrupt_result", "done_result", "failed_result"]
-
-
-class Direction(enum.Enum):
-    """Which way a job moves bytes: STORE is engine → host, LOAD is host → engine."""
-
-    STORE = "store"
-    LOAD = "load"
-
-    @property
-    def is_store(self) -> bool:
-        """True for :attr:`STORE` (the ``is_store`` flag of a :class:`~kvoffload.JobResult`)."""
-        return self is Direction.STORE
 
 
 def done_result(job_id: int, direction: Direction, num_bytes: int, seconds: float) -> JobResult:

@@ -27,6 +27,7 @@ import torch
 import xxhash
 
 from kvoffload._generated import JobResult
+from kvoffload.errors import ConfigError
 from kvoffload.offload.pool import BlockSlots, Digests
 from kvoffload.offload.worker.copy._backend import Direction, Integrity, corrupt_result, done_result, failed_result
 from kvoffload.offload.worker.copy._native import NativeKernel
@@ -85,7 +86,7 @@ def _memmove_runs(dsts: list[int], srcs: list[int], lengths: list[int]) -> None:
     team per call (which collapses to ~1-4 GB/s for 64 KB-1 MB pages when run off the main thread).
     """
     if not len(dsts) == len(srcs) == len(lengths):
-        raise ValueError(f"{len(dsts)} destinations, {len(srcs)} sources and {len(lengths)} lengths")
+        raise ConfigError(f"{len(dsts)} destinations, {len(srcs)} sources and {len(lengths)} lengths")
     deque(map(ctypes.memmove, dsts, srcs, lengths), maxlen=0)  # no Python bytecode between the calls
 
 

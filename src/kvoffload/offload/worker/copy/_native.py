@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvoffload.errors import ConfigError
+
 __all__ = ["KERNEL", "NativeKernel", "load_kernel"]
 
 _ABI_VERSION = 2
@@ -64,9 +66,9 @@ class NativeKernel:
         n = _same_size(dst, src, length, host)
         k = _same_size(first, size, index)
         if digests.dtype != np.uint64 or not digests.flags.c_contiguous:
-            raise ValueError(f"digests must be contiguous uint64, got {digests.dtype}")
+            raise ConfigError(f"digests must be contiguous uint64, got {digests.dtype}")
         if k and (int(index.min()) < 0 or int(index.max()) >= digests.size):
-            raise ValueError(f"slot digest indices outside [0, {digests.size})")
+            raise ConfigError(f"slot digest indices outside [0, {digests.size})")
         status = self._copy_hash(
             n,
             _ptr(dst, _I64P),
@@ -82,7 +84,7 @@ class NativeKernel:
             digests.ctypes.data_as(_U64P),
         )
         if status != 0:
-            raise ValueError("runs or slots are not sorted by host offset, or stretch is not positive")
+            raise ConfigError("runs or slots are not sorted by host offset, or stretch is not positive")
 
     def xxh3_64(self, address: int, size: int) -> int:
         """xxh3_64 of ``size`` bytes at ``address`` (the same digest as ``xxhash.xxh3_64_intdigest``)."""
@@ -92,10 +94,10 @@ class NativeKernel:
 def _same_size(*arrays: np.ndarray) -> int:
     sizes = {a.size for a in arrays}
     if len(sizes) != 1:
-        raise ValueError(f"arrays of different sizes {sorted(sizes)}")
+        raise ConfigError(f"arrays of different sizes {sorted(sizes)}")
     for a in arrays:
         if a.dtype != np.int64 or not a.flags.c_contiguous:
-            raise ValueError(f"expected contiguous int64 arrays, got {a.dtype}")
+            raise ConfigError(f"expected contiguous int64 arrays, got {a.dtype}")
     return sizes.pop()
 
 

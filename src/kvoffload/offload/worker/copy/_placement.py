@@ -141,10 +141,10 @@ def transfer_layout_from_config(kv_cache_config: KVCacheConfig, config: Offloadi
     """:func:`build_transfer_layout` for a worker's ``KVCacheConfig`` and its offloading plan.
 
     Placements are the engine-resident ``kv_cache_tensors``; each offloaded layer copies its unpadded page
-    (``_page_math.real_page_size_bytes`` of its own spec, a ``uniform_type`` wrapper's entry for that layer).
+    (``translate.real_page_size_bytes`` of its own spec, a ``uniform_type`` wrapper's entry for that layer).
     """
     from kvoffload._generated import UniformTypeKVCacheSpecs
-    from kvoffload._page_math import real_page_size_bytes
+    from kvoffload.translate import real_page_size_bytes
 
     groups: list[list[tuple[str, int]]] = []
     for group in config.groups:

@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from kvoffload._explain import DecisionSink, record_gates
 from kvoffload._generated.types import (
     AttentionSpec,
     EngineConfig,
@@ -39,7 +38,8 @@ from kvoffload._generated.types import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from kvoffload._page_math import is_per_token_head, iter_layer_specs, real_page_size_bytes, spec_kind
+from kvoffload.translate._explain import DecisionSink, record_gates
+from kvoffload.translate._spec_math import is_per_token_head, iter_layer_specs, real_page_size_bytes, spec_kind
 
 __all__ = ["ParallelGates", "decide_parallel_gates"]
 

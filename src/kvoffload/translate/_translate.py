@@ -8,14 +8,14 @@ vLLM's order (the first rule that fails decides the error):
 2. group selection: the transferable, prefix-cacheable groups (with HiSparse: the ``hisparse_indexer``
    groups); none is an error;
 3. each selected group's tokens per block: its spec's ``block_size``, times dcp when the spec is DCP-sharded;
-4. ``tokens_per_hash`` over all groups (:func:`~kvoffload._page_math.resolve_kv_cache_block_sizes`), and
+4. ``tokens_per_hash`` over all groups (:func:`~kvoffload.translate._rules.resolve_kv_cache_block_sizes`), and
 5. every selected group's block is a whole number of hash blocks;
 6. ``blocks_per_chunk`` from ``blocks_per_chunk`` or ``block_size`` (tokens) in ``kv_connector_extra_config``
    (exclusive; 1 when neither is set);
 7. the group configs, each window (sliding window, chunked local, Mamba) measured in chunks of that group;
 8. ``worker_kv_bytes_per_block``: the first KV tensor's size per block, else the selected groups' pages;
 9-14. the parallelism gates ``replicated_layout``, ``canonical_layout`` and ``is_parallelism_agnostic``
-   (:mod:`kvoffload._parallel_gates`);
+   (:mod:`kvoffload.translate._gates`);
 15. the cache dtype string (the model dtype when ``cache_dtype`` is ``auto``);
 16. the :class:`OffloadingConfig` itself.
 
@@ -25,7 +25,7 @@ exact message and, in ``vllm_exception``, the exception type vLLM raises. Where 
 (``err.__notes__``), which tracebacks and the CLI print.
 
 :func:`explain_offloading_config` runs the very same code path with a decision recorder and returns an
-:class:`~kvoffload.Explanation` (see :mod:`kvoffload._explain`): the config (or the error) and the ordered
+:class:`~kvoffload.Explanation` (see :mod:`kvoffload.translate._explain`): the config (or the error) and the ordered
 decisions of every rule above. It is a sibling function rather than an ``explain=True`` flag so each function
 has one return type.
 """
@@ -35,7 +35,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TypeAlias
 
-from kvoffload._explain import DecisionSink, Explanation, Recorder, bare_assertion, discard
 from kvoffload._generated.types import (
     EngineConfig,
     EngineSnapshot,
@@ -51,16 +50,16 @@ from kvoffload._generated.types import (
     UniformTypeKVCacheSpecs,
 )
 from kvoffload._ints import round_up
-from kvoffload._page_math import (
+from kvoffload.errors import ConfigError, OffloadingConfigError
+from kvoffload.translate._explain import DecisionSink, Explanation, Recorder, bare_assertion, discard
+from kvoffload.translate._gates import ParallelGates, decide_parallel_gates
+from kvoffload.translate._rules import resolve_kv_cache_block_sizes, sliding_window_size_in_chunks
+from kvoffload.translate._spec_math import (
     group_kv_bytes_per_block,
     prefix_cacheable,
     resolve_dcp_kv_block_size,
-    resolve_kv_cache_block_sizes,
-    sliding_window_size_in_chunks,
     spec_kind,
 )
-from kvoffload._parallel_gates import ParallelGates, decide_parallel_gates
-from kvoffload.errors import ConfigError, OffloadingConfigError
 
 __all__ = [
     "build_offloading_config",

@@ -1,0 +1,121 @@
+"""One assembly per side: the scheduler and the worker of an offloading setup, built the same way everywhere.
+
+The runtime's worker processes, the demo and both halves of the vLLM connector build their parts here, so a
+host pool, its manager, the tiers and the copy engine are wired together in one place:
+
+* :func:`build_scheduler` (scheduler side, torch-free): the host block manager sized by the pool plan, the
+  :class:`~kvoffload.offload.scheduler.OffloadScheduler`, and with secondary tiers the
+  :class:`~kvoffload.tiers.Tiering` extension composed into it.
+* :func:`build_worker` (worker side, torch): one rank's host pool, copy engine, tier worker and
+  :class:`~kvoffload.offload.worker.OffloadWorker`, returned as :class:`WorkerParts` (close it once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvoffload._generated import OffloadingConfig, TieringConfig
+from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.pool import plan_host_pool_from_config
+from kvoffload.offload.scheduler import OffloadScheduler, SchedulerExtension
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvoffload.offload.pool import HostPool
+    from kvoffload.offload.worker import OffloadWorker
+    from kvoffload.offload.worker.copy import TransferLayout
+
+__all__ = ["WorkerParts", "build_scheduler", "build_worker"]
+
+
+def build_scheduler(
+    config: OffloadingConfig,
+    *,
+    tiering: TieringConfig | None = None,
+    eviction_policy: str | None = None,
+    store_threshold: int = 0,
+    max_tracker_size: int = 64000,
+    enable_events: bool = False,
+    offload_prompt_only: bool | None = None,
+    null_block_id: int | None = None,
+) -> OffloadScheduler:
+    """The scheduler of ``config``: its manager holds as many chunks as the host pool plan fits.
+
+    ``eviction_policy`` defaults to ``extra_config["eviction_policy"]`` (``"lru"`` when absent). With a
+    ``tiering`` that lists tiers (valkey tiers with their url), the tiers are composed in; ``close()`` the
+    scheduler to release them.
+    """
+    if eviction_policy is None:
+        eviction_policy = str(config.extra_config.get("eviction_policy", "lru"))
+    num_chunks = plan_host_pool_from_config(config).num_chunks
+    manager = HostBlockManager(
+        num_chunks,
+        eviction_policy,
+        enable_events=enable_events,
+        store_threshold=store_threshold,
+        max_tracker_size=max_tracker_size,
+    )
+    extension: SchedulerExtension | None = None
+    if tiering is not None and tiering.secondary_tiers:
+        from kvoffload.tiers import Tiering  # the tier clients load only when tiers are configured
+
+        extension = Tiering(config, manager, tiering)
+    return OffloadScheduler(
+        config, manager, offload_prompt_only=offload_prompt_only, null_block_id=null_block_id, extension=extension
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerParts:
+    """What :func:`build_worker` assembled: the worker (its copy engine and tiers inside) and its host pool."""
+
+    worker: OffloadWorker
+    pool: HostPool
+
+    def close(self) -> None:
+        """Stop the worker (in-flight copies finish, tiers close), then release the host pool."""
+        try:
+            self.worker.close()
+        finally:
+            self.pool.close()
+
+
+def build_worker(
+    config: OffloadingConfig,
+    kv: torch.Tensor,
+    layout: TransferLayout,
+    *,
+    tiering: TieringConfig | None = None,
+    checksums: bool = True,
+    cpu_threads: int | None = None,
+    shared_pool_id: str | None = None,
+) -> WorkerParts:
+    """One rank's worker over its engine KV memory ``kv`` (placed as ``layout`` says).
+
+    The host pool follows ``config``'s plan (a shared ``/dev/shm`` pool when ``shared_pool_id`` names one);
+    with a ``tiering`` that lists tiers, the rank's tier IO runs beside its copies. If any part fails to
+    build, the parts already built are released.
+    """
+    from kvoffload.offload.pool import HostPool
+    from kvoffload.offload.worker import OffloadWorker
+    from kvoffload.offload.worker.copy import CopyEngine
+
+    pool = HostPool(plan_host_pool_from_config(config), engine_id=shared_pool_id)
+    try:
+        engine = CopyEngine(kv, layout, pool, cpu_threads=cpu_threads, checksums=checksums)
+        tiers = None
+        if tiering is not None and tiering.secondary_tiers:
+            from kvoffload.tiers import TierWorker
+
+            try:
+                tiers = TierWorker(tiering, config, pool, checksums=checksums)
+            except BaseException:
+                engine.close()
+                raise
+        worker = OffloadWorker(engine, rank=config.parallel.rank, tiers=tiers)
+    except BaseException:
+        pool.close()
+        raise
+    return WorkerParts(worker=worker, pool=pool)
