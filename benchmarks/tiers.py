@@ -54,7 +54,7 @@ def _tier_run(tier: TierBase, job: int, keys: list[bytes], views: list[memoryvie
     start = time.perf_counter()
     (tier.submit_store if store else tier.submit_load)(job, keys, views)
     tier.wait([job])
-    (result,) = tier.get_finished()
+    (result,) = tier.poll()
     if result.failed:
         raise RuntimeError(f"tier job {job} failed for {len(result.failed)} keys")
     return time.perf_counter() - start

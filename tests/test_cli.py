@@ -327,10 +327,30 @@ def test_snapshot_that_decodes_but_cannot_run_is_refused(
     assert err.count("\n") == 1 and err.startswith("error: ") and fragment in err
 
 
+# The synthetic cases vLLM 0.33.0 accepts that cannot run: no KV tensor, a world_size that is not TP x PP x PCP,
+# or tensors that do not hold the specs' pages (a worker's layout check refuses them).
+_NO_TENSORS = "kv_cache_config.kv_cache_tensors holds 0 engine-resident tensors"
+_UNRUNNABLE_RECORDED_CASES = {
+    "sample-00000-full": _NO_TENSORS,
+    "sample-00005-swa_mla": _NO_TENSORS,
+    "sample-00524-hisparse": _NO_TENSORS,
+    "sample-00002-chunked": "parallel_config.world_size=9 is not tensor_parallel_size=4 x pipeline_parallel_size=2",
+    "sample-00008-hybrid_swa": "parallel_config.world_size=4 is not tensor_parallel_size=1",
+    "sample-00001-uniform_mla": "kv_cache_config cannot run: layer 'model.layers.1.self_attn.attn': the page of "
+    "block 4095 ends at byte 536838144, beyond kv_cache_tensors[0].size=268435456",
+    "sample-00382-uniform_mla": "the page of block 4095 ends at byte 319261632, beyond kv_cache_tensors[0].size=",
+    "sample-00114-mla": "kv_cache_config cannot run: group 0: its pages take 503808 bytes per block, more than the "
+    "host slot of worker_kv_bytes_per_block=83968",
+    "sample-00149-mla": "group 0: its pages take 221184 bytes per block",
+    "sample-00375-swa_mla": "group 0: its pages take 9216 bytes per block",
+}
+
+
 def test_recorded_vllm_cases_are_refused_only_when_they_cannot_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Every case vLLM 0.33.0 accepts translates on the command line, except those without any KV tensor."""
+    """Every case vLLM 0.33.0 accepts translates on the command line to vLLM's config, except those that cannot
+    run, each refused with one line naming why (the translator itself still returns vLLM's config for them)."""
     cases = [json.loads(line) for line in (Path(__file__).parent / "data" / "translate_cases.jsonl").open()]
     accepted = [c for c in cases if "ok" in c["expect"]]
     assert len(accepted) == 20
@@ -340,9 +360,178 @@ def test_recorded_vllm_cases_are_refused_only_when_they_cannot_run(
         path.write_text(json.dumps(case["input"]))
         code, out, err = run(capsys, "translate", str(path))
         if code:
+            assert (code, out) == (2, "") and err.count("\n") == 1 and err.startswith("error: "), err
             refused[case["name"]] = err
         else:
             assert json.loads(out) == case["expect"]["ok"]
-    no_tensors = {c["name"] for c in accepted if not c["input"]["kv_cache_config"].get("kv_cache_tensors")}
-    assert set(refused) == no_tensors and len(no_tensors) == 3
-    assert all("kv_cache_tensors holds 0" in err for err in refused.values())
+        config = json.loads(codecs.encode(translate_snapshot(load_snapshot(path)), format="json"))
+        assert config == case["expect"]["ok"], case["name"]
+    assert set(refused) == set(_UNRUNNABLE_RECORDED_CASES)
+    for name, fragment in _UNRUNNABLE_RECORDED_CASES.items():
+        assert fragment in refused[name], (name, refused[name])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# issue 22: every flag and snapshot value ends in one error line with exit status 2, never a traceback
+# ------------------------------------------------------------------------------------------------------------
+
+_NINES = "9" * 400
+
+
+def _cli_process(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m kvoffload ARGV`` as a user runs it (bounded: these all fail before reading anything large)."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvoffload", *argv], capture_output=True, text=True, check=False, timeout=60
+    )
+
+
+def _one_error_line(stderr: str, fragment: str) -> None:
+    assert "Traceback" not in stderr, stderr
+    assert stderr.count("\n") == 1 and stderr.startswith("error: "), stderr
+    assert fragment in stderr, stderr
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        # MemoryError: the read used to preallocate max_bytes + 1 bytes
+        ("100TiB", "argument --max-bytes: '100TiB' is 109951162777600 bytes: it must be from 1 to 1073741824 bytes"),
+        # OverflowError from read(2**70 + 1)
+        (str(2**70), f"argument --max-bytes: '{2**70}' is more than 9223372036854775807 bytes (8 EiB)"),
+        # OverflowError from int(float("9" * 400))
+        (_NINES, "argument --max-bytes: '999999999999999999999999'... (400 characters) is more than"),
+        ("0.5", "argument --max-bytes: '0.5' is 0 bytes: it must be from 1 to 1073741824 bytes"),
+        ("lots", "argument --max-bytes: 'lots' is not a size (e.g. 268435456, 256MiB, 1GiB)"),
+    ],
+)
+def test_max_bytes_out_of_bounds_is_one_error_line(value: str, fragment: str) -> None:
+    proc = _cli_process("translate", str(EXAMPLES[0]), "--max-bytes", value)
+    assert (proc.returncode, proc.stdout) == (2, "")
+    _one_error_line(proc.stderr, fragment)
+    assert "_parse_max_bytes" not in proc.stderr and "invalid" not in proc.stderr  # a sentence, not a function
+
+
+def test_usage_errors_are_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, fragment in [
+        (["translate"], "kvoffload translate: the following arguments are required: FILE"),
+        (["demo", "--workers", "two"], "kvoffload demo: argument --workers: invalid int value: 'two'"),
+        (["demo", "--policy", "mru"], "argument --policy: invalid choice: 'mru'"),
+        (["nope"], "kvoffload: argument COMMAND: invalid choice: 'nope'"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        out, err = capsys.readouterr()
+        assert (exit_info.value.code, out) == (2, ""), argv
+        _one_error_line(err, fragment)
+
+
+def test_large_max_bytes_reads_only_what_the_file_holds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    example = EXAMPLES[0]
+    code, out, err = run(capsys, "translate", str(example), "--max-bytes", "1GiB")
+    assert (code, err) == (0, "") and json.loads(out)
+    # The library takes any cap and reads in chunks: no allocation of the cap, no OverflowError.
+    assert load_snapshot(example, max_bytes=2**70) == load_snapshot(example)
+
+
+def _extra(doc: dict[str, Any]) -> dict[str, Any]:
+    extra: dict[str, Any] = doc["engine_config"]["kv_transfer_config"]["kv_connector_extra_config"]
+    return extra
+
+
+def _tensor(doc: dict[str, Any]) -> dict[str, Any]:
+    tensor: dict[str, Any] = doc["kv_cache_config"]["kv_cache_tensors"][0]
+    return tensor
+
+
+def _spec(doc: dict[str, Any]) -> dict[str, Any]:
+    spec: dict[str, Any] = doc["kv_cache_config"]["kv_cache_groups"][0]["kv_cache_spec"]
+    return spec
+
+
+_LAYER0 = "kv_cache_config cannot run: layer 'model.layers.0.self_attn.attn': "
+
+
+@pytest.mark.parametrize(
+    ("mutate", "fragment"),
+    [
+        (
+            lambda d: _tensor(d).update(block_stride=0),
+            _LAYER0 + "block_stride=0 of kv_cache_tensors[0] is smaller than its page_bytes=32768",
+        ),
+        (
+            lambda d: _spec(d).update(head_size=2**62),
+            _LAYER0 + "block_stride=32768 of kv_cache_tensors[0] is smaller than its page_bytes=1180591620717411303424",
+        ),
+        (
+            lambda d: _spec(d).update(num_kv_heads=2**62),
+            _LAYER0
+            + "block_stride=32768 of kv_cache_tensors[0] is smaller than its page_bytes=37778931862957161709568",
+        ),
+        (
+            lambda d: _tensor(d).update(layers=_tensor(d)["layers"][:-1]),
+            "group 0 layer 'model.layers.31.self_attn.attn' is in no kv_cache_tensors placement",
+        ),
+        (
+            lambda d: _tensor(d).update(offset=2**62),
+            _LAYER0 + "the page of block 57343 ends at byte 4611686020306436096, beyond kv_cache_tensors[0].size=",
+        ),
+        (
+            lambda d: _tensor(d).update(size=0),
+            _LAYER0 + "the page of block 57343 ends at byte 1879048192, beyond kv_cache_tensors[0].size=0",
+        ),
+        (
+            lambda d: d["kv_cache_config"].update(num_blocks=2**40),
+            "beyond kv_cache_tensors[0].size=60129542144 (num_blocks=1099511627776)",
+        ),
+        (
+            lambda d: _extra(d).update(block_size="32"),
+            "kv_connector_extra_config['block_size']='32' is not a valid connector option: Expected `int | null`",
+        ),
+        (
+            lambda d: _extra(d).update(block_size=32.5),
+            "kv_connector_extra_config['block_size']=32.5 is not a valid connector option: Expected `int | null`",
+        ),
+        (
+            lambda d: _extra(d).update(secondary_tiers=[{"type": "tape"}]),
+            "kv_connector_extra_config: secondary_tiers[0]: type='tape' is not one of fs, valkey, custom",
+        ),
+        (
+            lambda d: _extra(d).update(secondary_tiers=[{"type": "fs", "root_dir": "/x", "bogus": 1}]),
+            "kv_connector_extra_config: secondary_tiers[0] (fs): Object contains unknown field `bogus`",
+        ),
+        (
+            lambda d: _extra(d).update(secondary_tiers=[{"type": "fs", "root_dir": "/x", "n_read_threads": -1}]),
+            "secondary_tiers[0] (fs): Expected `int` >= 1 - at `$.n_read_threads` (got -1)",
+        ),
+        (
+            lambda d: d["engine_config"]["parallel_config"].update(tensor_parallel_size=3),
+            "parallel_config.world_size=2 is not tensor_parallel_size=3 x pipeline_parallel_size=1 x "
+            "prefill_context_parallel_size=1 = 3",
+        ),
+    ],
+    ids=[
+        "block_stride-0",
+        "head_size-2**62",
+        "num_kv_heads-2**62",
+        "layer-in-no-tensor",
+        "offset-2**62",
+        "tensor-size-0",
+        "num_blocks-2**40",
+        "block_size-str",
+        "block_size-float",
+        "tier-type-tape",
+        "tier-unknown-key",
+        "tier-n_read_threads--1",
+        "tp3-world2",
+    ],
+)
+def test_snapshot_vllm_translates_but_that_cannot_run_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mutate: Any, fragment: str
+) -> None:
+    doc = _example_doc()
+    mutate(doc)
+    path = _write(tmp_path, doc)
+    translate_snapshot(load_snapshot(path))  # vLLM's translator accepts it: the translator must too
+    code, out, err = run(capsys, "translate", str(path))
+    assert (code, out) == (2, "")
+    _one_error_line(err, fragment)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from kvoffload import ConfigError, codecs
 from kvoffload._cli import main, parse_size
+from kvoffload.demo import DemoOptions, default_snapshot, run_demo
+from kvoffload.demo.workload import BlockPool
 from tests.helpers import with_default_sigint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,3 +141,151 @@ def test_shrink_runs_a_real_size_example_and_says_what_it_changed(capsys: pytest
     assert first.startswith(f"shrunk {snapshot} to fit this machine: num_blocks 16000 -> "), first
     assert "cpu pool 32 GiB -> " in first and "world_size 1, groups and layout kept" in first
     assert re.search(r"mismatched blocks\s*│\s*0\s*│", out) and "ok:" in out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# issue 22: flags and snapshots that used to hang, exhaust memory or end in a traceback: refused up front
+# ------------------------------------------------------------------------------------------------------------
+
+_NINES = "9" * 400
+
+
+def _one_error_line(err: str, fragment: str) -> None:
+    assert "Traceback" not in err, err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    assert fragment in err, err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        # spun silently: the up-front workload check replayed every request
+        (["--requests", str(2**70)], "--requests=1180591620717411303424 must be in [1, 10000]"),
+        # grew memory until OOM: every conversation keeps its history
+        (["--conversations", "1000000000"], "--conversations=1000000000 must be in [1, 10000]"),
+        # OverflowError from time.sleep(inf), after the whole run
+        (
+            ["--metrics-port", "0", "--metrics-linger", "inf"],
+            "--metrics-linger=inf must be a number of seconds in [0, ",
+        ),
+        # silently ignored
+        (
+            ["--metrics-port", "0", "--metrics-linger", "nan"],
+            "--metrics-linger=nan must be a number of seconds in [0, ",
+        ),
+        (["--worker-timeout", "inf"], "--worker-timeout=inf must be a number of seconds in (0, 1000000000)"),
+        # ZMQ bound port 99999 modulo 65536 (34463), where nobody listens
+        (
+            ["--kv-events", "tcp://127.0.0.1:99999"],
+            "--kv-events='tcp://127.0.0.1:99999': port '99999' must be from 1 to 65535 (or * for any free port)",
+        ),
+        (["--kv-events", "tcp://127.0.0.1:0"], "--kv-events='tcp://127.0.0.1:0': port '0' must be from 1 to 65535"),
+        (["--kv-events", "tcp://127.0.0.1"], "--kv-events='tcp://127.0.0.1' needs a host and a port"),
+    ],
+    ids=[
+        "requests-2**70",
+        "conversations-1e9",
+        "linger-inf",
+        "linger-nan",
+        "timeout-inf",
+        "port-99999",
+        "port-0",
+        "no-port",
+    ],
+)
+def test_demo_flag_out_of_bounds_is_refused_before_anything_runs(
+    capsys: pytest.CaptureFixture[str], argv: list[str], fragment: str
+) -> None:
+    status = main(["demo", "--no-progress", *argv])
+    out, err = capsys.readouterr()
+    assert (status, out) == (2, "")
+    _one_error_line(err, fragment)
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        # OverflowError from int(float("9" * 400))
+        (
+            _NINES,
+            "argument --cpu-bytes: '999999999999999999999999'... (400 characters) is more than 9223372036854775807",
+        ),
+        # used to become 0 bytes and then "must be specified"
+        ("0.5", "argument --cpu-bytes: '0.5' is 0 bytes: it must be from 1 to 9223372036854775807 bytes"),
+    ],
+)
+def test_cpu_bytes_out_of_bounds_is_one_usage_error(
+    capsys: pytest.CaptureFixture[str], value: str, fragment: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--cpu-bytes", value, "--no-progress"])
+    out, err = capsys.readouterr()
+    assert (exit_info.value.code, out) == (2, "")
+    _one_error_line(err, fragment)
+    assert "parse_size" not in err
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("0.1MiB", 104857), ("1." + "0" * 5000 + "1KiB", 1024), ("0" * 5000 + "1", 1), ("9223372036854775807", 2**63 - 1)],
+)
+def test_parse_size_is_exact(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+def test_parse_size_is_bounded() -> None:
+    with pytest.raises(ConfigError, match=r"^--cpu-bytes='9223372036854775808' is more than 9223372036854775807 "):
+        parse_size(str(2**63))
+    with pytest.raises(ConfigError, match=r"^--max-bytes='8388608TiB' is more than 9223372036854775807 "):
+        parse_size("8388608TiB", "--max-bytes")
+
+
+@pytest.mark.timeout(60)
+def test_snapshot_with_2_40_blocks_is_refused_before_building_a_block_pool(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It used to pass every check and be OOM-killed at 24 GB building the engine's block pool."""
+    snapshot = default_snapshot(workers=2)
+    kv = msgspec.structs.replace(snapshot.kv_cache_config, num_blocks=2**40)
+    path = tmp_path / "huge.json"
+    path.write_bytes(codecs.encode(msgspec.structs.replace(snapshot, kv_cache_config=kv), format="json"))
+    for shrink in ([], ["--shrink"]):
+        status = main(["demo", "--snapshot", str(path), "--no-progress", *shrink])
+        out, err = capsys.readouterr()
+        assert (status, out) == (2, ""), shrink
+        _one_error_line(err, "beyond kv_cache_tensors[0].size=33554432 (num_blocks=1099511627776)")
+
+
+@pytest.mark.timeout(60)
+def test_run_demo_bounds_its_options() -> None:
+    with pytest.raises(ConfigError, match=r"^requests=1180591620717411303424 must be in \[1, 10000\]$"):
+        run_demo(default_snapshot(), DemoOptions(requests=2**70), progress=False)
+    with pytest.raises(ConfigError, match=r"^conversations=1000000000 must be in \[1, 10000\]$"):
+        run_demo(default_snapshot(), DemoOptions(conversations=10**9), progress=False)
+
+
+@pytest.mark.timeout(10)
+def test_block_pool_holds_only_the_blocks_in_use() -> None:
+    huge = BlockPool(2**40)  # a list of 2**40 free ids would need 8 TiB
+    assert huge.num_free == 2**40 and huge.allocate(3) == [0, 1, 2] and huge.num_free == 2**40 - 3
+    # Never-used ids first, in order, then the released ones, first released first (as the id queue did).
+    pool = BlockPool(4)
+    assert pool.allocate(3) == [0, 1, 2]
+    pool.release([2, 0])
+    assert pool.allocate(5) is None and pool.num_free == 3
+    assert pool.allocate(2) == [3, 2]
+    pool.release([3])
+    assert pool.allocate(2) == [0, 3] and pool.allocate(1) is None
+
+
+@pytest.mark.slow
+def test_kv_events_prints_the_bound_endpoint(capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(
+        ["demo", "--requests", "2", "--conversations", "1", "--no-progress", "--kv-events", "tcp://127.0.0.1:*"]
+    )
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    match = re.search(r"^publishing KV events at tcp://127\.0\.0\.1:(\d+)$", err, re.MULTILINE)
+    assert match and 1 <= int(match.group(1)) <= 65535, err
+    assert "kv events: " in out and "ok:" in out

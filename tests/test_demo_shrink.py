@@ -106,3 +106,21 @@ def test_tensors_that_do_not_scale_with_num_blocks_are_refused() -> None:
 )
 def test_format_bytes(value: int, text: str) -> None:
     assert format_bytes(value) == text
+
+
+@pytest.mark.timeout(30)
+def test_a_snapshot_that_cannot_run_at_its_real_size_is_refused_not_shrunk() -> None:
+    """Shrinking keeps what is wrong with a snapshot: it is refused with the real numbers, before any sizing."""
+    snapshot = load_snapshot(EXAMPLES / "llama-3.1-8b-tp2.json")
+    kv = snapshot.kv_cache_config
+    huge = msgspec.structs.replace(snapshot, kv_cache_config=msgspec.structs.replace(kv, num_blocks=2**40))
+    with pytest.raises(
+        ConfigError, match=r"beyond kv_cache_tensors\[0\]\.size=60129542144 \(num_blocks=1099511627776\)"
+    ):
+        shrink_snapshot(huge)
+    zero = msgspec.structs.replace(kv.kv_cache_tensors[0], block_stride=0)
+    broken = msgspec.structs.replace(snapshot, kv_cache_config=msgspec.structs.replace(kv, kv_cache_tensors=(zero,)))
+    with pytest.raises(ConfigError, match=r"block_stride=0 of kv_cache_tensors\[0\] is smaller than its page_bytes"):
+        shrink_snapshot(broken)
+    with pytest.raises(ConfigError, match=r"^requests=1180591620717411303424 must be in \[1, 10000\]$"):
+        shrink_snapshot(snapshot, DemoOptions(requests=2**70))

@@ -123,6 +123,20 @@ def test_backpressure_drops_and_event_batches() -> None:
         metrics.record_backpressure_drops("")
 
 
+def test_bad_tier_records_are_counted_from_the_reports() -> None:
+    from kvoffload._packed import pack_int32
+    from kvoffload.tiers import TierJobResult
+
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry)
+    results = (
+        TierJobResult(job_id=1, failed=pack_int32([0, 2, 3]), corrupt=pack_int32([0, 3])),
+        TierJobResult(job_id=2, failed=pack_int32([1])),
+    )
+    metrics.record(WorkerReport(rank=0, step=1, results=(), tier_results=results))
+    assert _value(registry, "kvoffload_tier_bad_records_total") == 2
+
+
 def test_worker_metrics_and_snapshot_only_mode() -> None:
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry)

@@ -37,6 +37,7 @@ from kvoffload._generated import (
     KVEventsConfig,
     KVQuantMode,
     KVTransferConfig,
+    LoadMode,
     MambaSpec,
     Medium,
     Message,
@@ -57,6 +58,7 @@ from kvoffload._generated import (
     StepPlan,
     TransferJob,
     UniformTypeKVCacheSpecs,
+    VLLMConnectorConfig,
     WorkerFailure,
     WorkerReport,
     codecs,
@@ -71,7 +73,7 @@ from kvoffload._packed import (
     unpack_int32,
     unpack_int64,
 )
-from kvoffload.assembly import WorkerParts, build_scheduler, build_worker
+from kvoffload.assembly import WorkerParts, build_scheduler, build_worker, decode_extra_config
 from kvoffload.errors import (
     ArgumentTypeError,
     ConfigError,
@@ -204,6 +206,7 @@ __all__ = [
     "KVOffloadError",
     "KVQuantMode",
     "KVTransferConfig",
+    "LoadMode",
     "LookupResult",
     "MLAAttentionSpec",
     "MambaSpec",
@@ -242,6 +245,7 @@ __all__ = [
     "TransferJob",
     "TransferLayout",
     "UniformTypeKVCacheSpecs",
+    "VLLMConnectorConfig",
     "ValueOverflowError",
     "VerificationError",
     "WireError",
@@ -258,6 +262,7 @@ __all__ = [
     "build_scheduler",
     "build_worker",
     "codecs",
+    "decode_extra_config",
     "explain_offloading_config",
     "hash_token_blocks",
     "load_snapshot",

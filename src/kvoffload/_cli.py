@@ -4,7 +4,8 @@ Subcommands (one ``_add_<name>`` parser builder and one ``_run_<name>`` handler 
 :func:`_build_parser`, so a new subcommand is two functions and one line there):
 
 * ``kvoffload translate FILE.json|FILE.toml [--explain] [--format json|toml] [--max-bytes SIZE]`` prints the config
-  with vLLM 0.33's field names (pretty JSON by default).
+  with vLLM 0.33's field names (pretty JSON by default); a snapshot vLLM translates but kvoffload cannot run
+  (:func:`~kvoffload.translate.validate_runnable`) is refused.
 * ``kvoffload schema [--json-schema | --version]`` prints the JSON Schema of an engine snapshot, or the schema
   version and fingerprint.
 * ``kvoffload demo [--workers N] [--requests N] [--cpu-bytes SIZE] [--policy lru|arc] [--snapshot FILE [--shrink]]
@@ -12,9 +13,11 @@ Subcommands (one ``_add_<name>`` parser builder and one ``_run_<name>`` handler 
   any reloaded block mismatches or a worker dies (with the worker's own error). ``--shrink`` reduces a
   real-size snapshot's engine blocks and host pool to fit this machine and prints what it changed.
   ``--metrics-port N`` serves Prometheus ``/metrics`` while it runs, ``--explain-misses`` prints why lookups
-  missed, ``--kv-events tcp://HOST:PORT`` publishes the pool's KV events.
+  missed, ``--kv-events tcp://HOST:PORT`` publishes the pool's KV events (``tcp://HOST:*``: any free port; the
+  bound endpoint is printed).
 
-Invalid input, unrunnable snapshots and translator rejections exit with status 2 and one ``error: …`` line on
+Invalid input (usage errors and out-of-range flags included: every numeric flag has a bound, checked before
+anything runs), unrunnable snapshots and translator rejections exit with status 2 and one ``error: …`` line on
 stderr (no traceback); Ctrl-C exits with 130 and one line, after the demo's workers are stopped.
 """
 
@@ -25,15 +28,15 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 
+from kvoffload._flags import MAX_TRANSLATE_BYTES, check_seconds, events_endpoint, parse_size, size_flag
 from kvoffload._generated import SCHEMA_FINGERPRINT, SCHEMA_VERSION, codecs
 from kvoffload._generated.types import EngineSnapshot, OffloadingConfig
 from kvoffload._ints import check_int
@@ -47,7 +50,7 @@ from kvoffload.translate import (
     validate_runnable,
 )
 
-__all__ = ["main"]
+__all__ = ["main", "parse_size"]  # parse_size: the sizes --cpu-bytes and --max-bytes take
 
 EXIT_OK = 0
 EXIT_INVALID = 2
@@ -81,9 +84,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parser whose usage errors are one ``error: …`` line and exit status 2, like every other invalid input
+    (its sub-parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        _error(f"{self.prog}: {message} (see {self.prog} --help)")
+        self.exit(EXIT_INVALID)
+
+
 def _build_parser() -> argparse.ArgumentParser:
     """The top-level parser with one sub-parser per subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvoffload",
         description="Offload LLM KV caches to host memory: translate engine snapshots, inspect the schema.",
     )
@@ -103,28 +115,8 @@ def _error(message: str) -> None:
 # demo
 # ------------------------------------------------------------------------------------------------------------
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
 
-
-def parse_size(text: str, option: str = "--cpu-bytes") -> int:
-    """``"256MiB"`` -> 268435456, ``"1G"`` -> 10**9, ``"4096"`` -> 4096 (ConfigError naming the text)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise ConfigError(f"{option}={text!r} is not a size (e.g. 268435456, 256MiB, 1GiB)")
-    number, unit = match.group(1), (match.group(2) or "").lower()
-    factor = 1024 ** "bkmgt".index(unit[0]) if unit.endswith(("ib", "i")) else _UNITS[unit[:1]]
-    return int(float(number) * factor)
-
-
-def _parse_max_bytes(text: str) -> int:
-    size = parse_size(text, "--max-bytes")
-    if size < 1:
-        raise ConfigError(f"--max-bytes={text!r} must be at least 1 byte")
-    return size
-
-
-def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_demo(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     """``kvoffload demo [options]``."""
     p = subparsers.add_parser(
         "demo",
@@ -138,7 +130,9 @@ def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p.add_argument("--workers", type=int, default=None, help="worker processes (default 2; the snapshot's world size)")
     p.add_argument("--requests", type=int, default=48, help="requests to run (default 48)")
     p.add_argument("--conversations", type=int, default=8, help="concurrent conversations (default 8)")
-    p.add_argument("--cpu-bytes", type=parse_size, default=None, help="host budget across all workers (default 128MiB)")
+    p.add_argument(
+        "--cpu-bytes", type=size_flag(1), default=None, help="host budget across all workers (default 128MiB)"
+    )
     p.add_argument("--policy", choices=("lru", "arc"), default=None, help="host eviction policy (default lru)")
     p.add_argument("--snapshot", default=None, help="engine snapshot JSON/TOML instead of the embedded Llama-style one")
     p.add_argument(
@@ -181,9 +175,14 @@ def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
 def _run_demo(args: argparse.Namespace) -> int:
     """Build the snapshot, run the demo, print the table; 1 when anything failed verification."""
     from kvoffload.demo import DemoOptions, default_snapshot, render_result, run_demo, snapshot_with_overrides
+    from kvoffload.demo.workload import MAX_CONVERSATIONS, MAX_REQUESTS
 
-    check_int("--requests", args.requests, 1, value_first=True)
-    check_int("--conversations", args.conversations, 1, value_first=True)
+    check_int("--requests", args.requests, 1, MAX_REQUESTS, value_first=True)
+    check_int("--conversations", args.conversations, 1, MAX_CONVERSATIONS, value_first=True)
+    if args.worker_timeout is not None:
+        check_seconds("--worker-timeout", args.worker_timeout, zero=False)
+    check_seconds("--metrics-linger", args.metrics_linger, zero=True)
+    endpoint = None if args.kv_events is None else events_endpoint(args.kv_events)
     if args.snapshot is None:
         snapshot = default_snapshot(workers=2 if args.workers is None else args.workers)
     else:
@@ -205,8 +204,6 @@ def _run_demo(args: argparse.Namespace) -> int:
         tiering=tiering,
     )
     if args.worker_timeout is not None:
-        if not 0 < args.worker_timeout < 1e9:
-            raise ConfigError(f"--worker-timeout={args.worker_timeout} must be a number of seconds > 0")
         options = dataclasses.replace(options, worker_timeout_s=args.worker_timeout)
     if args.shrink:
         from kvoffload.demo import shrink_snapshot
@@ -216,7 +213,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         snapshot = shrunk.snapshot
     snapshot = snapshot_with_overrides(snapshot, cpu_bytes=args.cpu_bytes, policy=args.policy)
     with contextlib.ExitStack() as stack:
-        kwargs = _demo_observability(args, stack)
+        kwargs = _demo_observability(args, endpoint, stack)
         result = run_demo(snapshot, options, progress=not args.no_progress, **kwargs)
         print(render_result(result), end="")
         if args.explain_misses:
@@ -240,11 +237,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _demo_observability(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]:
+def _demo_observability(args: argparse.Namespace, endpoint: str | None, stack: contextlib.ExitStack) -> dict[str, Any]:
     """Metrics registry + server, worker metrics directory and KV event publisher the demo flags ask for."""
     kwargs: dict[str, Any] = {}
-    if args.metrics_linger < 0:
-        raise ConfigError(f"--metrics-linger={args.metrics_linger} must be >= 0")
     if args.metrics_port is not None:
         from prometheus_client import CollectorRegistry
 
@@ -257,10 +252,12 @@ def _demo_observability(args: argparse.Namespace, stack: contextlib.ExitStack) -
         add_worker_collector(registry, metrics_dir)
         server = stack.enter_context(serve_metrics(registry, args.metrics_port))
         print(f"serving metrics at {server.url}", file=sys.stderr)
-    if args.kv_events is not None:
+    if endpoint is not None:
         from kvoffload._events import KVEventPublisher
 
-        kwargs["events"] = stack.enter_context(KVEventPublisher(args.kv_events, engine_id="kvoffload-demo"))
+        publisher = stack.enter_context(KVEventPublisher(endpoint, engine_id="kvoffload-demo"))
+        kwargs["events"] = publisher
+        print(f"publishing KV events at {publisher.endpoint}", file=sys.stderr)
     return kwargs
 
 
@@ -269,7 +266,7 @@ def _demo_observability(args: argparse.Namespace, stack: contextlib.ExitStack) -
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _add_translate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_translate(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     """``kvoffload translate FILE [--explain] [--format json|toml]``."""
     p = subparsers.add_parser(
         "translate",
@@ -283,9 +280,9 @@ def _add_translate(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("file", metavar="FILE", help="engine snapshot, FILE.json or FILE.toml")
     p.add_argument(
         "--max-bytes",
-        type=_parse_max_bytes,
+        type=size_flag(1, MAX_TRANSLATE_BYTES),
         default=DEFAULT_MAX_SNAPSHOT_BYTES,
-        help="refuse a FILE larger than this (default 16MiB; e.g. 64MiB)",
+        help="refuse a FILE larger than this (default 16MiB, at most 1GiB; e.g. 64MiB)",
     )
     p.add_argument(
         "--explain",
@@ -339,7 +336,7 @@ def _format_config(config: OffloadingConfig, fmt: str) -> str:
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _add_schema(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _add_schema(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     """``kvoffload schema [--json-schema | --version]``."""
     p = subparsers.add_parser(
         "schema",

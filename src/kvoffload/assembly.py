@@ -3,6 +3,9 @@
 The runtime's worker processes, the demo and both halves of the vLLM connector build their parts here, so a
 host pool, its manager, the tiers and the copy engine are wired together in one place:
 
+* :func:`decode_extra_config`: ``kv_connector_extra_config`` decoded once, strictly, into the one options struct
+  (:class:`~kvoffload.VLLMConnectorConfig`: host pool, policy, tiers, load mode, checksums) that every part reads.
+
 * :func:`build_scheduler` (scheduler side, torch-free): the host block manager sized by the pool plan, the
   :class:`~kvoffload.offload.scheduler.OffloadScheduler`, and with secondary tiers the
   :class:`~kvoffload.tiers.Tiering` extension composed into it.
@@ -12,10 +15,14 @@ host pool, its manager, the tiers and the copy engine are wired together in one 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvoffload._generated import OffloadingConfig, TieringConfig
+import msgspec
+
+from kvoffload._generated import OffloadingConfig, TieringConfig, VLLMConnectorConfig
+from kvoffload.errors import ConfigError
 from kvoffload.offload.manager import HostBlockManager
 from kvoffload.offload.pool import plan_host_pool_from_config
 from kvoffload.offload.scheduler import OffloadScheduler, SchedulerExtension
@@ -27,43 +34,80 @@ if TYPE_CHECKING:
     from kvoffload.offload.worker import OffloadWorker
     from kvoffload.offload.worker.copy import TransferLayout
 
-__all__ = ["WorkerParts", "build_scheduler", "build_worker"]
+__all__ = ["WorkerParts", "build_scheduler", "build_worker", "decode_extra_config", "tiering_of"]
+
+_TIER_KEYS = frozenset({"secondary_tiers", "backpressure", "tier_poll_interval_s"})
+
+
+def decode_extra_config(extra: Mapping[str, object]) -> VLLMConnectorConfig:
+    """``kv_connector_extra_config`` decoded strictly: an unknown, misspelled or mistyped key is a ConfigError.
+
+    The tier keys go through :func:`~kvoffload.tiers.tiering_config_from_extra` (its shorthands and per-tier
+    error messages); everything else is decoded by msgspec against the schema.
+    """
+    from kvoffload.tiers import tiering_config_from_extra  # the tier configs only: no tier client loads
+
+    own = {k: v for k, v in extra.items() if k not in _TIER_KEYS}
+    try:
+        options = msgspec.convert(own, VLLMConnectorConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+    tiering = tiering_config_from_extra(extra)
+    return msgspec.structs.replace(
+        options,
+        secondary_tiers=tiering.secondary_tiers,
+        backpressure=tiering.backpressure,
+        tier_poll_interval_s=tiering.tier_poll_interval_s,
+    )
+
+
+def tiering_of(options: VLLMConnectorConfig) -> TieringConfig:
+    """The tiers of decoded connector options, as the tiering code takes them."""
+    return TieringConfig(
+        secondary_tiers=options.secondary_tiers,
+        backpressure=options.backpressure,
+        tier_poll_interval_s=options.tier_poll_interval_s,
+    )
 
 
 def build_scheduler(
     config: OffloadingConfig,
+    options: VLLMConnectorConfig | None = None,
     *,
     tiering: TieringConfig | None = None,
-    eviction_policy: str | None = None,
-    store_threshold: int = 0,
-    max_tracker_size: int = 64000,
     enable_events: bool = False,
-    offload_prompt_only: bool | None = None,
     null_block_id: int | None = None,
 ) -> OffloadScheduler:
     """The scheduler of ``config``: its manager holds as many chunks as the host pool plan fits.
 
-    ``eviction_policy`` defaults to ``extra_config["eviction_policy"]`` (``"lru"`` when absent). With a
-    ``tiering`` that lists tiers (valkey tiers with their url), the tiers are composed in; ``close()`` the
-    scheduler to release them.
+    ``options`` default to ``config.extra_config`` decoded (:func:`decode_extra_config`): the eviction policy,
+    the store threshold, prompt-only stores and the tiers come from there. ``tiering`` replaces the options'
+    tiers (e.g. with the urls of embedded servers filled in). With tiers (valkey tiers with their url), the
+    tiers are composed in; ``close()`` the scheduler to release them.
     """
-    if eviction_policy is None:
-        eviction_policy = str(config.extra_config.get("eviction_policy", "lru"))
+    if options is None:
+        options = decode_extra_config(config.extra_config)
+    if tiering is None:
+        tiering = tiering_of(options)
     num_chunks = plan_host_pool_from_config(config).num_chunks
     manager = HostBlockManager(
         num_chunks,
-        eviction_policy,
+        options.eviction_policy,
         enable_events=enable_events,
-        store_threshold=store_threshold,
-        max_tracker_size=max_tracker_size,
+        store_threshold=options.store_threshold,
+        max_tracker_size=options.max_tracker_size,
     )
     extension: SchedulerExtension | None = None
-    if tiering is not None and tiering.secondary_tiers:
+    if tiering.secondary_tiers:
         from kvoffload.tiers import Tiering  # the tier clients load only when tiers are configured
 
         extension = Tiering(config, manager, tiering)
     return OffloadScheduler(
-        config, manager, offload_prompt_only=offload_prompt_only, null_block_id=null_block_id, extension=extension
+        config,
+        manager,
+        offload_prompt_only=options.offload_prompt_only,
+        null_block_id=null_block_id,
+        extension=extension,
     )
 
 

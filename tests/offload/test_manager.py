@@ -704,3 +704,16 @@ def test_matches_the_plain_baseline_on_a_serving_trace(policy: str, monkeypatch:
     stats = ours.stats()
     assert stats.evicted > 1_000  # the trace does put the pool under pressure
     assert None in ours_record  # and some offers are refused
+
+
+def test_allocation_sizes_stay_bounded_when_nobody_takes_them() -> None:
+    """One int per store offer must not pile up in an engine that never reads the manager's stats."""
+    m = HostBlockManager(4)
+    for i in range(20_000):
+        plan = m.prepare_store([k(i)])
+        assert plan is not None
+        m.complete_store(plan.keys_to_store)
+    assert len(m._alloc_sizes._first) + len(m._alloc_sizes._more) <= 4097  # bounded by the distinct sizes
+    sizes = m.stats().allocation_sizes
+    assert len(sizes) == 20_000 and set(sizes) == {1}  # every sample still counted
+    assert m.stats().allocation_sizes == ()

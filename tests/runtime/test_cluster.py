@@ -191,14 +191,11 @@ def test_demo_small_run_verifies_every_reload() -> None:
 
 
 def test_worker_failure_reaches_the_scheduler_with_its_cause() -> None:
-    """A ConfigError building a worker's copy engine (tensors too small for its layers) names rank and cause."""
-    snapshot = small_snapshot()
-    kv = snapshot.kv_cache_config
-    tensor = kv.kv_cache_tensors[0]
-    small = msgspec.structs.replace(tensor, size=tensor.size // 2)
-    broken = msgspec.structs.replace(snapshot, kv_cache_config=msgspec.structs.replace(kv, kv_cache_tensors=(small,)))
-    cluster = WorkerCluster(broken, hook=HOOK, start_timeout_s=60)
-    with pytest.raises(WorkerError, match=r"worker 0 failed at step 0: ConfigError: .*kv_cache_tensors\[0\]\.size="):
+    """A ConfigError only a worker can see (its hook refuses its options when the worker starts) names rank and
+    cause. (A snapshot whose tensors are too small for its layers no longer gets that far: it is refused before
+    spawning, see below.)"""
+    cluster = WorkerCluster(small_snapshot(), hook=HOOK, hook_options={"memcpy_probe_bytes": -1}, start_timeout_s=60)
+    with pytest.raises(WorkerError, match=r"worker 0 failed at step 0: ConfigError: memcpy_probe_bytes=-1 must be"):
         cluster.start()
     assert not mp.active_children()
 
@@ -237,6 +234,15 @@ def test_unrunnable_rank_config_is_refused_before_spawning() -> None:
     snapshot = snapshot_with_overrides(small_snapshot(), cpu_bytes=None, policy="mru")
     with pytest.raises(ConfigError, match=r"eviction_policy.*'mru'"):
         WorkerCluster(snapshot, hook=HOOK).start()
+    assert not mp.active_children()
+    # Tensors too small for their layers: the workers' own layout check, made before any of them starts.
+    snapshot = small_snapshot()
+    kv = snapshot.kv_cache_config
+    tensor = kv.kv_cache_tensors[0]
+    small = msgspec.structs.replace(tensor, size=tensor.size // 2)
+    broken = msgspec.structs.replace(snapshot, kv_cache_config=msgspec.structs.replace(kv, kv_cache_tensors=(small,)))
+    with pytest.raises(ConfigError, match=r"kv_cache_config cannot run: .* beyond kv_cache_tensors\[0\]\.size="):
+        WorkerCluster(broken, hook=HOOK).start()
     assert not mp.active_children()
 
 

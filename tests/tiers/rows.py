@@ -29,7 +29,7 @@ def store(tier: SecondaryTier, chunk_keys: list[bytes], rows: torch.Tensor, job:
     """Store ``rows`` under ``chunk_keys`` and wait; the indices of the keys that failed."""
     tier.submit_store(job, chunk_keys, views(rows))
     assert tier.wait([job], 30)
-    (result,) = tier.get_finished()
+    (result,) = tier.poll()
     return tuple(result.failed)
 
 
@@ -38,5 +38,5 @@ def load(tier: SecondaryTier, chunk_keys: list[bytes], row: int, job: int = 2) -
     out = torch.zeros((len(chunk_keys), row), dtype=torch.uint8)
     tier.submit_load(job, chunk_keys, views(out))
     assert tier.wait([job], 30)
-    (result,) = tier.get_finished()
+    (result,) = tier.poll()
     return out, tuple(result.failed)

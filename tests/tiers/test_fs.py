@@ -150,7 +150,7 @@ def test_disk_full_marks_the_tier_unavailable_then_it_recovers(tmp_path: Path) -
             if not tier.available:
                 assert tier.lookup(stored) == [False] * len(stored)
                 tier.submit_store(50, _keys(1, salt=5), _views(_rows(1)))
-                assert tier.get_finished()[0].failed == (0,) and tier.stats().stores_dropped == 1
+                assert tier.poll()[0].failed == (0,) and tier.stats().stores_dropped == 1
             # Every record that did get written reads back exactly.
             out, bad = _load_when_available(tier, stored)
             assert bad == ()
@@ -186,7 +186,7 @@ def test_unwritable_directory_is_unavailable_not_an_exception(tmp_path: Path) ->
         assert not tier.available
         assert tier.lookup(_keys(2)) == [False, False]
         tier.submit_store(1, _keys(1), _views(_rows(1)))
-        assert tier.get_finished()[0].failed == (0,)
+        assert tier.poll()[0].failed == (0,)
         assert tier.stats().stores_dropped == 1
 
 

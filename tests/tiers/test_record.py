@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import pytest
+import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload.errors import RecordError, TierError
-from kvoffload.tiers._record import HEADER_SIZE, encode_header, parse_header, payload_checksum, verify_payload
+from kvoffload.tiers._record import HEADER_SIZE, encode_header, parse_header, verify_payload
+
+NS = bytes(range(16))
 
 
-def _record(key: bytes, payload: bytes) -> bytes:
-    return encode_header(key, len(payload), payload_checksum(payload)) + payload
+def _record(key: bytes, payload: bytes, *, namespace: bytes = NS, secret: bytes | None = None) -> bytes:
+    return encode_header(key, payload, namespace=namespace, secret=secret) + payload
 
 
-def _read(record: bytes, key: bytes, n: int) -> bytes:
-    header = parse_header(record[: HEADER_SIZE + len(key)], expected_key=key, expected_len=n)
+def _read(record: bytes, key: bytes, n: int, *, namespace: bytes = NS, secret: bytes | None = None) -> bytes:
+    header = parse_header(
+        record[: HEADER_SIZE + len(key)], expected_key=key, expected_len=n, expected_namespace=namespace
+    )
     payload = record[header.size : header.size + n]
-    verify_payload(header, payload)
+    verify_payload(header, payload, secret=secret)
     return payload
 
 
@@ -54,3 +59,41 @@ def test_wrong_key_length_and_truncation_are_errors() -> None:
     with pytest.raises(RecordError, match="magic"):
         _read(b"XXXX" + record[4:], key, len(payload))
     assert issubclass(RecordError, TierError) and issubclass(RecordError, OSError)
+
+
+def test_a_record_of_another_namespace_is_refused() -> None:
+    """A record copied from another rank's, model's or layout's namespace never passes for this one's."""
+    key, payload = b"k" * 36, bytes(range(100))
+    other = _record(key, payload, namespace=b"\xff" * 16)
+    with pytest.raises(RecordError, match="namespace"):
+        _read(other, key, len(payload))
+    assert _read(other, key, len(payload), namespace=b"\xff" * 16) == payload
+
+
+@given(payload=st.binary(min_size=1, max_size=2048), secret=st.binary(min_size=1, max_size=100))
+def test_a_mac_binds_the_record_to_the_secret(payload: bytes, secret: bytes) -> None:
+    key = b"m" * 36
+    record = _record(key, payload, secret=secret)
+    assert _read(record, key, len(payload), secret=secret) == payload
+    assert _read(record, key, len(payload)) == payload  # a reader without the secret checks the checksums only
+    with pytest.raises(RecordError, match="invalid MAC"):
+        _read(record, key, len(payload), secret=secret + b"x")
+
+
+def test_a_forged_record_with_valid_checksums_is_refused_under_a_secret() -> None:
+    """Anyone who can write the store can write valid xxh3 checksums: only the MAC tells a forgery."""
+    key, payload, secret = b"f" * 36, bytes(range(64)), b"s3cret"
+    forged = _record(key, bytes(64))  # checksummed, no MAC
+    with pytest.raises(RecordError, match="not authenticated"):
+        _read(forged, key, 64, secret=secret)
+    genuine = _record(key, payload, secret=secret)
+    header_len = HEADER_SIZE + len(key)
+    # The attacker changes the payload and recomputes every unkeyed field (payload checksum, header guard),
+    # keeping the genuine record's MAC: the MAC covers the payload, so the record is refused.
+    changed = bytes(64)
+    unkeyed = _record(key, changed)[:header_len]
+    head = unkeyed[:40] + genuine[40:56]
+    guard = xxhash.xxh3_64_intdigest(head + key).to_bytes(8, "little")
+    tampered = head + guard + key + changed
+    with pytest.raises(RecordError, match="invalid MAC"):
+        _read(tampered, key, len(payload), secret=secret)

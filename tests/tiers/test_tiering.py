@@ -177,6 +177,7 @@ def test_corrupt_record_stops_the_prefix_and_is_deleted(tmp_path: Path) -> None:
         assert all(torch.equal(a, b) for a, b in zip(got[:3], expected[:3], strict=True))
         assert second.tiering.stats[0].promotion_failures == 1
         assert second.tiers.tiers[0].stats().corrupt_records == 1
+        assert second.tiering.stats[0].corrupt_records == 1, "the scheduler (demo table, reports) sees it too"
         assert not victim.exists()
     finally:
         second.close()
@@ -282,6 +283,8 @@ def test_config_from_extra_is_strict_and_names_the_tier() -> None:
         tiering_config_from_extra({"secondary_tiers": [{"type": "fs", "root_dir": "/x", "n_write_threads": 0}]})
     with pytest.raises(ConfigError, match=r"type='s3'"):
         tiering_config_from_extra({"secondary_tiers": [{"type": "s3"}]})
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\] \(valkey\): url='ftp://h/0' is not a valkey url"):
+        tiering_config_from_extra({"secondary_tiers": [{"type": "valkey", "url": "ftp://h/0"}]})
     assert tiering_config_from_extra({}) == TieringConfig()
 
 

@@ -106,7 +106,7 @@ def test_server_killed_then_restarted(tmp_path: Path) -> None:
             assert not tier.available and tier.stats().unavailable_events >= 1
             assert tier.lookup(keys) == [False] * 4
             tier.submit_store(4, _keys(1, salt=2), _views(_rows(1)))
-            assert tier.get_finished()[0].failed == (0,)
+            assert tier.poll()[0].failed == (0,)
             assert tier.stats().stores_dropped >= 1
             # the server returns (empty: no persistence) on the same port: the tier reconnects after back-off
             server = _restart(tmp_path / "v2", port)

@@ -106,6 +106,7 @@ def _tier_rows(result: DemoResult) -> list[tuple[str, str]]:
             )
         )
         rows.append((f"{name}: write / read GB/s", f"{t.write_gbps:.2f} / {t.read_gbps:.2f}"))
+        rows.append((f"{name}: bad records (missed, deleted)", f"{t.corrupt_records}"))
     return rows
 
 

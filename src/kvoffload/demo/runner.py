@@ -1,8 +1,9 @@
 """``run_demo``: the demo workload through the scheduler and one worker process per rank, verified.
 
 The workers run the demo's hook (:mod:`kvoffload.demo.worker_hook`), so the runtime itself knows nothing of
-the simulated engine. Before any process starts, the run is refused when the workers' KV memory and host pools
-would not fit in this machine's memory, or when the workload's longest conversation can never fit the engine's
+the simulated engine. Before any process starts, the run is refused when the options are out of bounds, the
+snapshot cannot run (:func:`~kvoffload.translate.validate_runnable`), the workers' KV memory and host pools
+would not fit in this machine's memory, or the workload's longest conversation can never fit the engine's
 block pool.
 """
 
@@ -16,12 +17,12 @@ from kvoffload._generated import EngineSnapshot, OffloadingConfig
 from kvoffload.demo.engine import DemoEngine
 from kvoffload.demo.report import DemoResult
 from kvoffload.demo.worker_hook import HOOK, memcpy_gbps_of
-from kvoffload.demo.workload import DEFAULT_OPTIONS, DemoOptions, check_workload_fits
+from kvoffload.demo.workload import DEFAULT_OPTIONS, DemoOptions, check_options, check_workload_fits
 from kvoffload.errors import DeadlineError, HostMemoryError
 from kvoffload.offload.pool import available_host_memory_bytes, plan_host_pool_from_config
 from kvoffload.runtime.cluster import WorkerCluster
 from kvoffload.tiers import EmbeddedValkey, Tiering, start_embedded_servers
-from kvoffload.translate import translate_snapshot
+from kvoffload.translate import translate_snapshot, validate_runnable
 
 if TYPE_CHECKING:
     from kvoffload._events import KVEventPublisher
@@ -45,12 +46,16 @@ def run_demo(
 ) -> DemoResult:
     """Run the demo workload on ``snapshot`` with one worker process per rank; returns what it measured.
 
-    Raises HostMemoryError before starting any process when the workers' KV memory and host pools would
-    not fit in this machine's available memory (real-size snapshots need a real-size machine).
+    Raises ConfigError before starting any process when an option is out of bounds or the snapshot cannot run,
+    and HostMemoryError when the workers' KV memory and host pools would not fit in this machine's available
+    memory (real-size snapshots need a real-size machine).
     ``metrics`` is updated after every step; workers record their transfer metrics under ``metrics_dir``
     (prometheus_client multiprocess mode); ``events`` publishes the pool's KV events after every step.
     """
-    _check_memory(snapshot, translate_snapshot(snapshot))
+    check_options(options)
+    config = translate_snapshot(snapshot)
+    validate_runnable(snapshot, config)
+    _check_memory(snapshot, config)
     servers: list[EmbeddedValkey] = []
     if options.tiering is not None:
         tiering, embedded = start_embedded_servers(options.tiering)

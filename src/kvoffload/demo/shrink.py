@@ -20,10 +20,10 @@ from kvoffload._generated import EngineSnapshot, KVCacheTensor, OffloadingConfig
 from kvoffload._ints import cdiv
 from kvoffload.demo.runner import MEMORY_SHARE, demo_memory_bytes
 from kvoffload.demo.snapshots import snapshot_with_overrides
-from kvoffload.demo.workload import DEFAULT_OPTIONS, DemoOptions, longest_conversation_tokens
+from kvoffload.demo.workload import DEFAULT_OPTIONS, DemoOptions, check_options, longest_conversation_tokens
 from kvoffload.errors import ConfigError, HostMemoryError
 from kvoffload.offload.pool import available_host_memory_bytes, plan_host_pool_from_config
-from kvoffload.translate import translate_snapshot
+from kvoffload.translate import translate_snapshot, validate_runnable
 
 __all__ = ["DEFAULT_SHRINK_BYTES", "Shrunk", "format_bytes", "shrink_snapshot"]
 
@@ -58,15 +58,19 @@ def shrink_snapshot(
 
     ``max_bytes`` defaults to the smaller of :data:`DEFAULT_SHRINK_BYTES` and the share of available memory the
     demo may use. Ranks, layers, groups, page sizes and strides are kept; the shrunk snapshot translates to the
-    same plan apart from the host budget. Raises ConfigError when a tensor's size, offset or layer stride is not
-    a whole number of blocks (it cannot be scaled), and HostMemoryError, with the numbers, when even the
-    smallest useful run (an engine pool for one conversation, a host pool for its history) does not fit.
+    same plan apart from the host budget. Raises ConfigError when an option is out of bounds, when the snapshot
+    cannot run at its real size either (:func:`~kvoffload.translate.validate_runnable`: shrinking keeps what is
+    wrong with it) or when a tensor's size, offset or layer stride is not a whole number of blocks (it cannot be
+    scaled), and HostMemoryError, with the numbers, when even the smallest useful run (an engine pool for one
+    conversation, a host pool for its history) does not fit.
     """
+    check_options(options)
     if max_bytes is None:
         max_bytes = min(DEFAULT_SHRINK_BYTES, int(available_host_memory_bytes() * MEMORY_SHARE))
     if max_bytes <= 0:
         raise ConfigError(f"max_bytes={max_bytes} must be > 0")
     config = translate_snapshot(snapshot)
+    validate_runnable(snapshot, config)
     kv = snapshot.kv_cache_config
     blocks_before = kv.num_blocks
     _check_scalable(kv.kv_cache_tensors, blocks_before)

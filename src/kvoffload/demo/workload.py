@@ -1,4 +1,8 @@
-"""The demo's workload: its options, the requests of a multi-turn chat, and the engine's block pool."""
+"""The demo's workload: its options, the requests of a multi-turn chat, and the engine's block pool.
+
+The workload is bounded up front (:func:`check_options`): at most :data:`MAX_REQUESTS` requests over at most
+:data:`MAX_CONVERSATIONS` conversations, so the checks that replay it and the histories it keeps stay small.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvoffload._generated import OffloadingGroupConfig, TieringConfig
-from kvoffload._ints import cdiv
+from kvoffload._ints import cdiv, check_int
 from kvoffload.demo.snapshots import MiB
 from kvoffload.errors import ConfigError
 from kvoffload.offload.keys import BlockHash, hash_token_blocks
@@ -16,10 +20,13 @@ from kvoffload.runtime.cluster import DEFAULT_WORKER_TIMEOUT_S
 
 __all__ = [
     "DEFAULT_OPTIONS",
+    "MAX_CONVERSATIONS",
+    "MAX_REQUESTS",
     "BlockPool",
     "DemoOptions",
     "Request",
     "Workload",
+    "check_options",
     "check_workload_fits",
     "longest_conversation_tokens",
 ]
@@ -46,6 +53,18 @@ class DemoOptions:
 DEFAULT_OPTIONS = DemoOptions()
 """The options of a plain ``kvoffload demo``."""
 
+MAX_REQUESTS = 10_000
+"""The most requests one demo run takes (``--requests``): the up-front workload check replays every one."""
+
+MAX_CONVERSATIONS = 10_000
+"""The most concurrent conversations (``--conversations``): each keeps its whole history in memory."""
+
+
+def check_options(options: DemoOptions) -> None:
+    """Raise ConfigError naming the option, its value and its bound when the workload is out of range."""
+    check_int("requests", options.requests, 1, MAX_REQUESTS, value_first=True)
+    check_int("conversations", options.conversations, 1, MAX_CONVERSATIONS, value_first=True)
+
 
 @dataclass
 class Request:
@@ -61,16 +80,29 @@ class Request:
 
 
 class BlockPool:
+    """The engine's free block ids: the never-used ones first, in order, then the released ones, first released
+    first. Never-used ids are a counter, so the pool costs memory for the blocks in use, not for ``num_blocks``."""
+
     def __init__(self, num_blocks: int) -> None:
-        self.free = deque(range(num_blocks))
+        self.num_blocks = num_blocks
+        self._next_fresh = 0
+        self._released: deque[int] = deque()
+
+    @property
+    def num_free(self) -> int:
+        return self.num_blocks - self._next_fresh + len(self._released)
 
     def allocate(self, n: int) -> list[int] | None:
-        if n > len(self.free):
+        if n > self.num_free:
             return None
-        return [self.free.popleft() for _ in range(n)]
+        fresh = min(n, self.num_blocks - self._next_fresh)
+        blocks = list(range(self._next_fresh, self._next_fresh + fresh))
+        self._next_fresh += fresh
+        blocks.extend(self._released.popleft() for _ in range(n - fresh))
+        return blocks
 
     def release(self, blocks: Sequence[int]) -> None:
-        self.free.extend(blocks)
+        self._released.extend(blocks)
 
 
 class Workload:
@@ -89,9 +121,7 @@ class Workload:
         if self.issued >= self.options.requests or not self.ready:
             return None
         conv = self.ready.popleft()
-        lo, hi = self.options.turn_tokens
-        turn = [self.rng.randrange(1, 32000) for _ in range(self.rng.randint(lo, hi))]
-        tokens = self.history[conv] + turn
+        tokens = self.history[conv] + self.next_turn()
         self.issued += 1
         return Request(
             req_id=f"conv{conv}-turn{self.issued}",
@@ -101,6 +131,11 @@ class Workload:
             decode_left=self.options.decode_tokens,
             hashes=hash_token_blocks(tokens, self.tph),
         )
+
+    def next_turn(self) -> list[int]:
+        """The next user turn's tokens (its length and tokens come from the seed, whichever conversation)."""
+        lo, hi = self.options.turn_tokens
+        return [self.rng.randrange(1, 32000) for _ in range(self.rng.randint(lo, hi))]
 
     def finished(self, req: Request) -> None:
         self.history[req.conversation] = list(req.tokens)
@@ -117,12 +152,10 @@ def check_workload_fits(
     even share of all turns, and one reply. A workload passing this check may still grow one conversation past
     the pool; the engine then refuses that request as soon as it comes up (never a livelock).
     """
+    check_options(options)
     workload = Workload(options, tokens_per_hash)
     system = len(workload.history[0])
-    turns = 0
-    while (req := workload.next_request()) is not None:
-        turns += req.prompt_len - system
-        workload.ready.append(req.conversation)  # history stays the system prompt: each turn counted once
+    turns = sum(len(workload.next_turn()) for _ in range(options.requests))  # the turn lengths, replayed
     share = cdiv(turns, options.conversations)
     tokens = system + share + options.decode_tokens
     need = sum(cdiv(tokens, g.tokens_per_block) for g in groups)

@@ -46,6 +46,10 @@ class WorkerMetrics:
         fam = r.counter_family("transfer_failures", "Transfer jobs a worker failed.", ("tier", "direction"))
         self.load_failures = r.counter(fam, "transfer_failures", tier=tier, direction="load")
         self.store_failures = r.counter(fam, "transfer_failures", tier=tier, direction="store")
+        fam = r.counter_family(
+            "tier_bad_records", "Secondary-tier records found bad (damaged, foreign, unauthenticated) and deleted."
+        )
+        self.tier_bad_records = r.counter(fam, "tier_bad_records")
 
     @property
     def registry(self) -> CollectorRegistry | None:
@@ -79,6 +83,9 @@ class WorkerMetrics:
             self.load_failures.inc(load_failed)
         if store_failed:
             self.store_failures.inc(store_failed)
+        bad = sum(len(result.corrupt) // 4 for result in report.tier_results)  # packed int32 indices
+        if bad:
+            self.tier_bad_records.inc(bad)
 
     def take_snapshot(self) -> MetricsSnapshot:
         """The figures since the previous snapshot, engine-neutral (see :class:`MetricsSnapshot`)."""

@@ -3,8 +3,8 @@
 A tier instance serves ONE namespace (one model configuration and rank: see :func:`kvoffload.tiers.namespace_for`). It
 never touches engine memory: it moves whole host chunk rows (this rank's slot of a host pool row) to and
 from its medium as :mod:`records <kvoffload.tiers._record>`. ``submit_store``/``submit_load`` return at once;
-the work runs on the tier's own threads and finished jobs are collected with ``get_finished`` (vLLM's
-``SecondaryTierManager`` shape), so tier IO never blocks an engine step.
+the work runs on the tier's own threads and finished jobs are collected with ``poll`` (the one verb of the
+copy engine, the tier worker and the tiers), so tier IO never blocks an engine step.
 
 Faults never reach the engine as exceptions: a failing medium (disk full, server gone) marks the tier
 *unavailable* for a back-off interval (doubling up to ``max_backoff_s``); meanwhile lookups miss and stores
@@ -24,6 +24,8 @@ from typing import Protocol, runtime_checkable
 
 from kvoffload._ints import cdiv
 from kvoffload.errors import InvalidStateError, RecordError, TierError
+from kvoffload.offload.keys import OffloadKey
+from kvoffload.offload.scheduler import Direction
 
 __all__ = ["SecondaryTier", "TierBase", "TierIOResult", "TierStats"]
 
@@ -31,14 +33,15 @@ __all__ = ["SecondaryTier", "TierBase", "TierIOResult", "TierStats"]
 @dataclass(frozen=True, slots=True)
 class TierIOResult:
     """A finished job on one tier (its IO; the wire's ``TierJobResult`` is per worker): which keys failed
-    (indices into the job's keys), bytes moved, seconds taken."""
+    (indices into the job's keys), which of them had a bad record (counted and deleted), bytes moved, seconds."""
 
     job_id: int
-    is_store: bool
+    direction: Direction
     num_keys: int
     failed: tuple[int, ...]
     num_bytes: int
     seconds: float
+    corrupt: tuple[int, ...] = ()
 
     @property
     def success(self) -> bool:
@@ -76,15 +79,15 @@ class SecondaryTier(Protocol):
 
     name: str
 
-    def submit_store(self, job_id: int, keys: Sequence[bytes], rows: Sequence[memoryview]) -> None:
+    def submit_store(self, job_id: int, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> None:
         """Start writing ``rows[i]`` as the record of ``keys[i]``; never blocks on the medium."""
         ...
 
-    def submit_load(self, job_id: int, keys: Sequence[bytes], rows: Sequence[memoryview]) -> None:
+    def submit_load(self, job_id: int, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> None:
         """Start reading the record of ``keys[i]`` into the writable ``rows[i]`` (verified before success)."""
         ...
 
-    def get_finished(self) -> list[TierIOResult]:
+    def poll(self) -> list[TierIOResult]:
         """Jobs finished since the last call."""
         ...
 
@@ -92,7 +95,7 @@ class SecondaryTier(Protocol):
         """Block until the named jobs finished (True) or ``timeout`` passed (False)."""
         ...
 
-    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+    def lookup(self, keys: Sequence[OffloadKey]) -> list[bool]:
         """Whether each key has a record (a miss when the tier is unavailable)."""
         ...
 
@@ -113,11 +116,12 @@ class SecondaryTier(Protocol):
 @dataclass(slots=True)
 class _Job:
     job_id: int
-    is_store: bool
+    direction: Direction
     num_keys: int
     started: float
     pending: int
     failed: list[int] = field(default_factory=list)
+    corrupt: list[int] = field(default_factory=list)
     num_bytes: int = 0
 
 
@@ -153,25 +157,26 @@ class TierBase:
         self._max_backoff_s = max_backoff_s
         self._backoff_s = retry_backoff_s
         self._down_until = 0.0
+        self._in_outage = False  # between a fault and the next success
         self._closed = False
 
     # ------------------------------------------------------------------ to implement
 
-    def _store_batch(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> list[int | None]:
+    def _store_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[int | None]:
         raise NotImplementedError
 
-    def _load_batch(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> list[int | RecordError | None]:
+    def _load_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[int | RecordError | None]:
         raise NotImplementedError
 
-    def _exists_batch(self, keys: Sequence[bytes]) -> list[bool]:
+    def _exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
         raise NotImplementedError
 
     def _delete(self, key: bytes) -> None:
         raise NotImplementedError
 
-    def _batches(self, n: int, *, is_store: bool) -> list[range]:
+    def _batches(self, n: int, direction: Direction) -> list[range]:
         """How a job of ``n`` items is split across the pool (default: evenly over the pool's threads)."""
-        parts = min(n, self._n_write if is_store else self._n_read)
+        parts = min(n, self._n_write if direction is Direction.STORE else self._n_read)
         if parts <= 1:
             return [range(n)]
         step = cdiv(n, parts)
@@ -185,28 +190,39 @@ class TierBase:
         return time.monotonic() >= self._down_until
 
     def _mark_down(self, exc: BaseException) -> None:
+        """A fault: the tier backs off. Faults of operations already in flight when it went down (several
+        batches of one job, concurrent jobs) belong to the same outage and neither extend nor double the
+        back-off; only a probe that fails after the back-off doubles it."""
+        now = time.monotonic()
         with self._lock:
-            self._stats.unavailable_events += 1
             self._stats.last_error = f"{type(exc).__name__}: {exc}"
-            self._down_until = time.monotonic() + self._backoff_s
+            if now < self._down_until:
+                return
+            if not self._in_outage:
+                self._in_outage = True
+                self._stats.unavailable_events += 1
+            self._down_until = now + self._backoff_s
             self._backoff_s = min(self._max_backoff_s, self._backoff_s * 2)
 
     def _mark_up(self) -> None:
-        if self._backoff_s != self._retry_backoff_s:
+        if self._in_outage or self._backoff_s != self._retry_backoff_s:
             with self._lock:
+                self._in_outage = False
                 self._backoff_s = self._retry_backoff_s
 
     # ------------------------------------------------------------------ jobs
 
-    def submit_store(self, job_id: int, keys: Sequence[bytes], rows: Sequence[memoryview]) -> None:
+    def submit_store(self, job_id: int, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> None:
         """Start writing ``rows[i]`` as the record of ``keys[i]`` (dropped, counted, while unavailable)."""
-        self._submit(job_id, keys, rows, is_store=True)
+        self._submit(job_id, keys, rows, Direction.STORE)
 
-    def submit_load(self, job_id: int, keys: Sequence[bytes], rows: Sequence[memoryview]) -> None:
+    def submit_load(self, job_id: int, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> None:
         """Start reading the records of ``keys`` into ``rows`` (all fail at once while unavailable)."""
-        self._submit(job_id, keys, rows, is_store=False)
+        self._submit(job_id, keys, rows, Direction.LOAD)
 
-    def _submit(self, job_id: int, keys: Sequence[bytes], rows: Sequence[memoryview], *, is_store: bool) -> None:
+    def _submit(
+        self, job_id: int, keys: Sequence[OffloadKey], rows: Sequence[memoryview], direction: Direction
+    ) -> None:
         if self._closed:
             raise InvalidStateError(f"tier {self.name} is closed")
         if len(keys) != len(rows):
@@ -217,25 +233,29 @@ class TierBase:
         n = len(keys)
         if n == 0 or not self.available:
             with self._lock:
-                if is_store:
+                if direction is Direction.STORE:
                     self._stats.stores_dropped += n
                 else:
                     self._stats.load_misses += n
-                self._finished.append(TierIOResult(job_id, is_store, n, tuple(range(n)), 0, 0.0))
+                self._finished.append(TierIOResult(job_id, direction, n, tuple(range(n)), 0, 0.0))
                 self._done_cv.notify_all()
             return
-        batches = self._batches(n, is_store=is_store)
-        job = _Job(job_id, is_store, n, time.perf_counter(), len(batches))
+        batches = self._batches(n, direction)
+        job = _Job(job_id, direction, n, time.perf_counter(), len(batches))
         with self._lock:
             self._jobs[job_id] = job
-        pool = self._writers if is_store else self._readers
+        pool = self._writers if direction is Direction.STORE else self._readers
         for part in batches:
             pool.submit(self._run_batch, job, [keys[i] for i in part], [rows[i] for i in part], part.start)
 
-    def _run_batch(self, job: _Job, keys: list[bytes], rows: list[memoryview], offset: int) -> None:
+    def _run_batch(self, job: _Job, keys: list[OffloadKey], rows: list[memoryview], offset: int) -> None:
         outcomes: list[int | RecordError | None]
         try:
-            outcomes = list(self._store_batch(keys, rows)) if job.is_store else self._load_batch(keys, rows)
+            outcomes = (
+                list(self._store_batch(keys, rows))
+                if job.direction is Direction.STORE
+                else self._load_batch(keys, rows)
+            )
             self._mark_up()
         except TierError as exc:
             self._mark_down(exc)
@@ -244,6 +264,7 @@ class TierBase:
             self._mark_down(exc)
             outcomes = [None] * len(keys)
         corrupt = [k for k, o in zip(keys, outcomes, strict=True) if isinstance(o, RecordError)]
+        corrupt_at = [offset + i for i, o in enumerate(outcomes) if isinstance(o, RecordError)]
         for key in corrupt:
             try:
                 self._delete(key)
@@ -254,23 +275,24 @@ class TierBase:
             for i, outcome in enumerate(outcomes):
                 if isinstance(outcome, int):
                     job.num_bytes += outcome
-                    if job.is_store:
+                    if job.direction is Direction.STORE:
                         st.stores += 1
                     else:
                         st.loads += 1
                         st.load_hits += 1
                 else:
                     job.failed.append(offset + i)
-                    if job.is_store:
+                    if job.direction is Direction.STORE:
                         st.store_failures += 1
                     else:
                         st.loads += 1
                         st.load_misses += 1
             st.corrupt_records += len(corrupt)
+            job.corrupt.extend(corrupt_at)
             job.pending -= 1
             if job.pending == 0:
                 seconds = time.perf_counter() - job.started
-                if job.is_store:
+                if job.direction is Direction.STORE:
                     st.bytes_written += job.num_bytes
                     st.write_seconds += seconds
                 else:
@@ -279,12 +301,18 @@ class TierBase:
                 del self._jobs[job.job_id]
                 self._finished.append(
                     TierIOResult(
-                        job.job_id, job.is_store, job.num_keys, tuple(sorted(job.failed)), job.num_bytes, seconds
+                        job.job_id,
+                        job.direction,
+                        job.num_keys,
+                        tuple(sorted(job.failed)),
+                        job.num_bytes,
+                        seconds,
+                        tuple(sorted(job.corrupt)),
                     )
                 )
                 self._done_cv.notify_all()
 
-    def get_finished(self) -> list[TierIOResult]:
+    def poll(self) -> list[TierIOResult]:
         """Jobs finished since the last call."""
         with self._lock:
             done, self._finished = self._finished, []
@@ -309,7 +337,7 @@ class TierBase:
 
     # ------------------------------------------------------------------ lookups, stats, lifetime
 
-    def lookup(self, keys: Sequence[bytes]) -> list[bool]:
+    def lookup(self, keys: Sequence[OffloadKey]) -> list[bool]:
         """Whether each key has a record; all misses while unavailable or when the medium fails."""
         if not keys:
             return []
@@ -318,7 +346,7 @@ class TierBase:
         try:
             found = self._exists_batch(keys)
             self._mark_up()
-        except TierError as exc:
+        except Exception as exc:  # a medium fault (OSError, the client's errors) is a miss, never an exception
             self._mark_down(exc)
             found = [False] * len(keys)
         with self._lock:

@@ -91,6 +91,8 @@ class TierStatsRow:
     dropped_chunks: int = 0
     promoted_chunks: int = 0
     promotion_failures: int = 0
+    corrupt_records: int = 0
+    """Records a worker found bad (damaged, of another namespace, not authenticated): missed and deleted."""
     tokens_promoted: int = 0
     bytes_written: int = 0
     write_seconds: float = 0.0
@@ -324,6 +326,8 @@ class Tiering:
             return
         state.reported.add(rank)
         state.failed.update(Int32Array.from_buffer(result.failed).tolist())
+        if result.corrupt:
+            self.stats[state.job.tier].corrupt_records += len(Int32Array.from_buffer(result.corrupt))
         state.num_bytes += result.num_bytes
         state.seconds = max(state.seconds, result.seconds)
         state.pending -= 1

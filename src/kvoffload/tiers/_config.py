@@ -55,6 +55,10 @@ def _normalize_tier(i: int, raw: object) -> object:
     return dict(raw)
 
 
+VALKEY_SCHEMES = ("valkey://", "valkeys://", "redis://", "rediss://", "unix://")
+"""The url schemes the Valkey client takes (TLS: ``valkeys``/``rediss``; a local socket: ``unix``)."""
+
+
 def tiering_config_from_extra(extra: Mapping[str, object]) -> TieringConfig:
     """The :class:`TieringConfig` held in a connector extra config (empty when it has no tiering keys)."""
     raw_tiers = extra.get("secondary_tiers", [])
@@ -65,9 +69,15 @@ def tiering_config_from_extra(extra: Mapping[str, object]) -> TieringConfig:
         doc = _normalize_tier(i, raw)
         kind = cast(Mapping[str, object], doc).get("type")
         try:
-            tiers.append(msgspec.convert(doc, SecondaryTierConfig, strict=True))
+            tier = msgspec.convert(doc, SecondaryTierConfig, strict=True)
         except msgspec.ValidationError as exc:
             raise ConfigError(f"secondary_tiers[{i}] ({kind}): {exc}") from None
+        if isinstance(tier, ValkeyTierConfig) and tier.url and not tier.url.startswith(VALKEY_SCHEMES):
+            raise ConfigError(
+                f"secondary_tiers[{i}] (valkey): url={tier.url!r} is not a valkey url "
+                f"({', '.join(s + '...' for s in VALKEY_SCHEMES)})"
+            )
+        tiers.append(tier)
     top: dict[str, object] = {k: extra[k] for k in ("backpressure", "tier_poll_interval_s") if k in extra}
     try:
         rest = msgspec.convert(top, TieringConfig, strict=False)
@@ -100,6 +110,7 @@ def open_tier(
             max_bytes=config.max_bytes,
             use_odirect=config.use_odirect,
             fsync=config.fsync,
+            file_mode=config.file_mode,
             scan=not lookups_only,
         )
     if isinstance(config, ValkeyTierConfig):
@@ -144,6 +155,6 @@ def tier_from_cli(text: str) -> SecondaryTierConfig:
         return FsTierConfig(root_dir=text[5:])
     if text == "valkey":
         return ValkeyTierConfig()
-    if text.startswith(("valkey://", "valkeys://", "redis://", "rediss://", "unix://")):
+    if text.startswith(VALKEY_SCHEMES):
         return ValkeyTierConfig(url=text)
     raise ConfigError(f"--tier={text!r}: use disk:PATH, valkey (embedded server) or a valkey://host:port url")

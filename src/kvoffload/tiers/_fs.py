@@ -34,9 +34,10 @@ from pathlib import Path
 
 from kvoffload._ints import check_int, check_optional_int, round_up
 from kvoffload.errors import ConfigError, RecordError, TierError
+from kvoffload.offload.keys import OffloadKey
 from kvoffload.tiers._base import TierBase
 from kvoffload.tiers._namespace import Namespace
-from kvoffload.tiers._record import HEADER_SIZE, encode_header, parse_header, payload_checksum, verify_payload
+from kvoffload.tiers._record import HEADER_SIZE, encode_header, parse_header, record_secret, verify_payload
 
 __all__ = ["FsTier"]
 
@@ -88,6 +89,7 @@ class FsTier(TierBase):
         max_bytes: int | None = None,
         use_odirect: bool | None = None,
         fsync: bool = False,
+        file_mode: int = 0o600,
         scan: bool = True,
         retry_backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
@@ -95,6 +97,7 @@ class FsTier(TierBase):
         for field_name, value in (("n_read_threads", n_read_threads), ("n_write_threads", n_write_threads)):
             check_int(field_name, value, 1, where="fs tier: ")
         check_optional_int("max_bytes", max_bytes, 1, where="fs tier: ")
+        check_int("file_mode", file_mode, 0, 0o777, where="fs tier: ")
         if not str(root_dir):
             raise ConfigError("fs tier: root_dir must be a non-empty path")
         super().__init__(
@@ -105,10 +108,14 @@ class FsTier(TierBase):
         )
         self.root_dir = Path(root_dir)
         self.namespace = namespace
+        self._ns_tag = namespace.tag
+        self._secret = record_secret()
         self.dir = self.root_dir / namespace.dirname
         self._dir_str = str(self.dir)
         self.max_bytes = max_bytes
         self.fsync = fsync
+        self.file_mode = file_mode
+        self.dir_mode = file_mode | (file_mode & 0o444) >> 2  # search wherever the files are readable
         self._staging = _Staging()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, least recent first
         self._total = 0
@@ -126,12 +133,29 @@ class FsTier(TierBase):
     # ------------------------------------------------------------------ setup
 
     def _open_dir(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        for directory in (self.root_dir, self.dir):
+            if not directory.is_dir():
+                directory.mkdir(parents=True, exist_ok=True)
+                os.chmod(directory, self.dir_mode)  # exactly these bits, whatever the umask
         meta = self.dir / "namespace.json"
         if not meta.exists():
             tmp = self.dir / f".tmp-{os.getpid()}-{next(_tmp_counter)}-namespace"
-            tmp.write_text(self.namespace.fields_json + "\n", encoding="utf-8")
+            fd = self._create(str(tmp), os.O_WRONLY)
+            try:
+                os.write(fd, (self.namespace.fields_json + "\n").encode())
+            finally:
+                os.close(fd)
             os.replace(tmp, meta)
+
+    def _create(self, path: str, flags: int) -> int:
+        """A new file with the tier's permission bits (set after creation: the umask does not apply)."""
+        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, self.file_mode)
+        try:
+            os.fchmod(fd, self.file_mode)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def _probe_odirect(self) -> bool:
         flag = getattr(os, "O_DIRECT", 0)
@@ -216,7 +240,7 @@ class FsTier(TierBase):
 
     # ------------------------------------------------------------------ IO
 
-    def _store_batch(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> list[int | None]:
+    def _store_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[int | None]:
         out: list[int | None] = []
         for key, row in zip(keys, rows, strict=True):
             out.append(self._store_one(key, row))
@@ -232,11 +256,13 @@ class FsTier(TierBase):
         path = f"{sub}/{h}.bin"
         if h[:2] not in self._made_dirs:
             try:
-                os.makedirs(sub, exist_ok=True)
+                if not os.path.isdir(sub):
+                    os.makedirs(sub, mode=self.dir_mode, exist_ok=True)
+                    os.chmod(sub, self.dir_mode)
             except OSError as exc:
                 raise TierError(f"fs tier cannot create {sub}: {exc}") from exc
             self._made_dirs.add(h[:2])
-        header = encode_header(key, len(row), payload_checksum(row))
+        header = encode_header(key, row, namespace=self._ns_tag, secret=self._secret)
         tmp = f"{sub}/.tmp-{os.getpid()}-{next(_tmp_counter)}"
         try:
             size = self._write_file(tmp, header, row)
@@ -269,11 +295,11 @@ class FsTier(TierBase):
             view[: len(header)] = header
             view[len(header) : total] = row
             view[total:size] = bytes(size - total)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+            fd = self._create(tmp, os.O_WRONLY | os.O_DIRECT)
             parts = [view[:size]]
         else:
             size = total
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = self._create(tmp, os.O_WRONLY)
             parts = [memoryview(header), row]
         try:
             written = 0
@@ -289,7 +315,7 @@ class FsTier(TierBase):
             os.close(fd)
         return size
 
-    def _load_batch(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> list[int | RecordError | None]:
+    def _load_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[int | RecordError | None]:
         return [self._load_one(key, row) for key, row in zip(keys, rows, strict=True)]
 
     def _load_one(self, key: bytes, row: memoryview) -> int | RecordError | None:
@@ -311,7 +337,9 @@ class FsTier(TierBase):
                 view = memoryview(buf)
                 n = _read_direct(fd, view[:size])
                 try:
-                    header = parse_header(view[:n], expected_key=key, expected_len=len(row))
+                    header = parse_header(
+                        view[:n], expected_key=key, expected_len=len(row), expected_namespace=self._ns_tag
+                    )
                 except RecordError as exc:
                     return exc
                 payload = view[head_len : min(n, head_len + len(row))]
@@ -321,7 +349,12 @@ class FsTier(TierBase):
                 head = bytearray(head_len)
                 n = _read_full(fd, [memoryview(head), row])
                 try:
-                    header = parse_header(head[: min(n, head_len)], expected_key=key, expected_len=len(row))
+                    header = parse_header(
+                        head[: min(n, head_len)],
+                        expected_key=key,
+                        expected_len=len(row),
+                        expected_namespace=self._ns_tag,
+                    )
                 except RecordError as exc:
                     return exc
                 got = max(0, n - head_len)
@@ -330,7 +363,7 @@ class FsTier(TierBase):
         finally:
             os.close(fd)
         try:
-            verify_payload(header, row[:got])
+            verify_payload(header, row[:got], secret=self._secret)
         except RecordError as exc:
             return exc
         with self._index_lock:
@@ -338,7 +371,7 @@ class FsTier(TierBase):
                 self._index.move_to_end(key)
         return got
 
-    def _exists_batch(self, keys: Sequence[bytes]) -> list[bool]:
+    def _exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
         if not self.dir.is_dir():
             raise TierError(f"fs tier directory {self.dir} is gone")
         return [self.path_of(key).exists() for key in keys]

@@ -33,6 +33,12 @@ class Namespace:
     row_bytes: int
 
     @property
+    def tag(self) -> bytes:
+        """The 16 bytes every record of the namespace carries (a sha256 of its fields): a record read under
+        another namespace's path is refused."""
+        return hashlib.sha256(self.fields_json.encode()).digest()[:16]
+
+    @property
     def dirname(self) -> str:
         """Directory (disk tier) or key prefix (Valkey tier) of the namespace: ``{label}_{digest}``."""
         return f"{self.label}_{self.digest}"

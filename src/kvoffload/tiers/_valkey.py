@@ -32,9 +32,11 @@ import valkey.exceptions
 
 from kvoffload._ints import check_int
 from kvoffload.errors import ConfigError, RecordError, TierError
+from kvoffload.offload.keys import OffloadKey
+from kvoffload.offload.scheduler import Direction
 from kvoffload.tiers._base import TierBase
 from kvoffload.tiers._namespace import Namespace
-from kvoffload.tiers._record import HEADER_SIZE, encode_header, parse_header, payload_checksum, verify_payload
+from kvoffload.tiers._record import HEADER_SIZE, encode_header, parse_header, record_secret, verify_payload
 
 __all__ = ["EmbeddedValkey", "ValkeyTier"]
 
@@ -112,6 +114,8 @@ class ValkeyTier(TierBase):
         )
         self.url = url
         self.namespace = namespace
+        self._ns_tag = namespace.tag
+        self._secret = record_secret()
         self.cluster = cluster
         self.batch_size = batch_size
         self.prefix = f"{key_prefix}:{namespace.dirname}:".encode()
@@ -151,7 +155,7 @@ class ValkeyTier(TierBase):
                 raise TierError(f"valkey tier cannot reach {self.url}: {exc}") from exc
         return self._client
 
-    def _batches(self, n: int, *, is_store: bool) -> list[range]:
+    def _batches(self, n: int, direction: Direction) -> list[range]:
         step = self.batch_size
         return [range(i, min(n, i + step)) for i in range(0, n, step)]
 
@@ -161,8 +165,10 @@ class ValkeyTier(TierBase):
 
     # ------------------------------------------------------------------ IO
 
-    def _store_batch(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> list[int | None]:
-        headers = [encode_header(k, len(r), payload_checksum(r)) for k, r in zip(keys, rows, strict=True)]
+    def _store_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[int | None]:
+        headers = [
+            encode_header(k, r, namespace=self._ns_tag, secret=self._secret) for k, r in zip(keys, rows, strict=True)
+        ]
         try:
             if self.cluster:
                 pipe = self._conn().pipeline(transaction=False)
@@ -181,7 +187,9 @@ class ValkeyTier(TierBase):
             out.append(len(row))
         return out
 
-    def _raw_sets(self, keys: Sequence[bytes], headers: Sequence[bytes], rows: Sequence[memoryview]) -> list[object]:
+    def _raw_sets(
+        self, keys: Sequence[OffloadKey], headers: Sequence[bytes], rows: Sequence[memoryview]
+    ) -> list[object]:
         """Pipelined SETs packed by hand so the row goes out as a memoryview (no copy)."""
         pool = self._conn().connection_pool
         conn = pool.get_connection("SET")
@@ -208,7 +216,7 @@ class ValkeyTier(TierBase):
         finally:
             pool.release(conn)
 
-    def _load_batch(self, keys: Sequence[bytes], rows: Sequence[memoryview]) -> list[int | RecordError | None]:
+    def _load_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[int | RecordError | None]:
         try:
             pipe = self._conn().pipeline(transaction=False)
             for key in keys:
@@ -224,9 +232,11 @@ class ValkeyTier(TierBase):
             view = memoryview(value)
             head_len = HEADER_SIZE + len(key)
             try:
-                header = parse_header(view[:head_len], expected_key=key, expected_len=len(row))
+                header = parse_header(
+                    view[:head_len], expected_key=key, expected_len=len(row), expected_namespace=self._ns_tag
+                )
                 payload = view[head_len : head_len + len(row)]
-                verify_payload(header, payload)
+                verify_payload(header, payload, secret=self._secret)
             except RecordError as exc:
                 out.append(exc)
                 continue
@@ -234,7 +244,7 @@ class ValkeyTier(TierBase):
             out.append(len(row))
         return out
 
-    def _exists_batch(self, keys: Sequence[bytes]) -> list[bool]:
+    def _exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
         try:
             pipe = self._conn().pipeline(transaction=False)
             for key in keys:

@@ -15,7 +15,7 @@ import torch
 from kvoffload._generated import OffloadingConfig, TieringConfig, TierJob, TierJobResult, ValkeyTierConfig
 from kvoffload._packed import Int64Array, pack_int32
 from kvoffload.errors import ConfigError
-from kvoffload.offload.keys import key_tags
+from kvoffload.offload.keys import OffloadKey, key_tags
 from kvoffload.offload.pool import BlockSlots, HostPool
 from kvoffload.tiers._base import SecondaryTier
 from kvoffload.tiers._config import open_tier
@@ -103,7 +103,7 @@ class TierWorker:
                 keep = [i for i, c in enumerate(chunks) if c not in corrupt]
             self._submitted[job.job_id] = (job.is_promotion, chunks, tags, keep, failed_now)
             views = [_row_view(self._rows[chunks[i]]) for i in keep]
-            keys = [job.keys[i] for i in keep]
+            keys = [OffloadKey(job.keys[i]) for i in keep]  # the wire type holds plain bytes
             tier = self.tiers[job.tier]
             if job.is_promotion:
                 tier.submit_load(job.job_id, keys, views)
@@ -115,13 +115,26 @@ class TierWorker:
         """Tier jobs finished since the last call."""
         out, self._done = self._done, []
         for tier in self.tiers:
-            for r in tier.get_finished():
+            for r in tier.poll():
                 self._jobs.pop(r.job_id, None)
+                keep = self._kept(r.job_id)
+                corrupt = sorted(keep[i] for i in r.corrupt) if keep is not None else list(r.corrupt)
                 failed = self._settle(r.job_id, list(r.failed))
                 out.append(
-                    TierJobResult(job_id=r.job_id, failed=pack_int32(failed), num_bytes=r.num_bytes, seconds=r.seconds)
+                    TierJobResult(
+                        job_id=r.job_id,
+                        failed=pack_int32(failed),
+                        num_bytes=r.num_bytes,
+                        seconds=r.seconds,
+                        corrupt=pack_int32(corrupt),
+                    )
                 )
         return out
+
+    def _kept(self, job_id: int) -> list[int] | None:
+        """Job indices of the keys submitted to the tier (the others failed verification first)."""
+        entry = self._submitted.get(job_id)
+        return None if entry is None else entry[3]
 
     def _settle(self, job_id: int, tier_failed: list[int]) -> list[int]:
         """Job indices of the failed keys; seals the host entries of the keys a promotion brought in."""

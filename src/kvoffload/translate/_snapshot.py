@@ -14,6 +14,7 @@ import os
 import re
 import tomllib
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 
@@ -22,7 +23,7 @@ from kvoffload._generated.types import EngineSnapshot
 from kvoffload._ints import check_int
 from kvoffload.errors import ConfigError
 
-__all__ = ["DEFAULT_MAX_SNAPSHOT_BYTES", "load_snapshot"]
+__all__ = ["DEFAULT_MAX_SNAPSHOT_BYTES", "load_snapshot", "with_value"]
 
 _PATH_RE = re.compile(r" - at `(\$[^`]*)`$")
 _TOKEN_RE = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
@@ -31,20 +32,23 @@ _TOKEN_RE = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 DEFAULT_MAX_SNAPSHOT_BYTES = 16 * 1024 * 1024
 """Largest snapshot file :func:`load_snapshot` reads unless told otherwise (real engines' snapshots are KBs)."""
 
+_READ_CHUNK = 1 << 20
+
 
 def load_snapshot(path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_SNAPSHOT_BYTES) -> EngineSnapshot:
     """Read an engine snapshot from a JSON or TOML file (by suffix; otherwise JSON when it starts with ``{``).
 
     Decoding is strict (unknown fields, wrong types and out-of-range values are rejected). Any failure is a
     ConfigError whose one-line message names the file, the field path and, when present, the bad value. At
-    most ``max_bytes`` bytes are read (a larger input, e.g. ``/dev/zero``, is refused without reading on),
-    and a document nested too deeply to decode is refused instead of raising RecursionError.
+    most ``max_bytes`` bytes are read (a larger input, e.g. ``/dev/zero``, is refused without reading on; the
+    memory held grows with what was read, not with ``max_bytes``), and a document nested too deeply to decode is
+    refused instead of raising RecursionError.
     """
     check_int("max_bytes", max_bytes, 1, value_first=True)
     file = Path(path)
     try:
         with file.open("rb") as handle:
-            raw = handle.read(max_bytes + 1)
+            raw = _read_capped(handle, max_bytes + 1)
     except OSError as exc:
         raise ConfigError(f"{file}: cannot read: {exc.strerror or exc}") from exc
     if len(raw) > max_bytes:
@@ -53,6 +57,19 @@ def load_snapshot(path: str | os.PathLike[str], *, max_bytes: int = DEFAULT_MAX_
         return _decode_snapshot(file, raw)
     except RecursionError:
         raise ConfigError(f"{file}: nested too deeply to decode (not an engine snapshot)") from None
+
+
+def _read_capped(handle: BinaryIO, limit: int) -> bytes:
+    """At most ``limit`` bytes of ``handle``, read in chunks (one ``read(limit)`` would allocate ``limit`` bytes)."""
+    chunks: list[bytes] = []
+    total = 0
+    while total < limit:
+        chunk = handle.read(min(_READ_CHUNK, limit - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
 
 
 def _decode_snapshot(file: Path, raw: bytes) -> EngineSnapshot:
@@ -75,12 +92,12 @@ def _decode_snapshot(file: Path, raw: bytes) -> EngineSnapshot:
                 document = json.loads(raw)
             except ValueError:  # pragma: no cover - msgspec already parsed it
                 document = None
-        raise ConfigError(f"{file}: {_with_value(str(exc), document)}") from exc
+        raise ConfigError(f"{file}: {with_value(str(exc), document)}") from exc
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{file}: invalid JSON: {exc}") from exc
 
 
-def _with_value(message: str, document: object) -> str:
+def with_value(message: str, document: object) -> str:
     """Append the offending value to a msgspec validation message (it names the path, not the value)."""
     match = _PATH_RE.search(message)
     if match is None:

@@ -45,7 +45,7 @@ except ImportError:  # pragma: no cover - depends on the installed vLLM
 
 from kvoffload._generated import LoadMode
 from kvoffload.errors import ConfigError
-from kvoffload.integrations.vllm._config import parse_connector_config, parse_tiering_config
+from kvoffload.integrations.vllm._config import connector_tiering, parse_connector_config, parse_tiering_config
 from kvoffload.integrations.vllm._messages import (
     KVOffloadConnectorMetadata,
     KVOffloadConnectorStats,
@@ -93,7 +93,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         options = parse_connector_config(extra)
-        tiering = parse_tiering_config(extra)
+        tiering = connector_tiering(options)  # decoded once, with the options
         self.snapshot = _fit_chunk_size(snapshot_from_vllm(vllm_config, kv_cache_config))
         self.offloading_config = translate_snapshot(self.snapshot)
         self.options = options

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import msgspec
-
 from kvoffload._generated import TieringConfig, ValkeyTierConfig, VLLMConnectorConfig
+from kvoffload.assembly import decode_extra_config, tiering_of
 from kvoffload.errors import ConfigError
 from kvoffload.tiers import tiering_config_from_extra
 
@@ -26,11 +25,7 @@ def parse_connector_config(extra: Mapping[str, object]) -> VLLMConnectorConfig:
     for key, why in _UNSUPPORTED_KEYS.items():
         if key in extra:
             raise ConfigError(f"kv_connector_extra_config[{key!r}] is not supported by KVOffloadConnector: {why}")
-    own = {k: v for k, v in extra.items() if k not in _TIER_KEYS}
-    try:
-        options = msgspec.convert(own, VLLMConnectorConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"kv_connector_extra_config: {exc}") from None
+    options = decode_extra_config(extra)
     if options.spec_name not in (None, "CPUOffloadingSpec", "TieringOffloadingSpec"):
         raise ConfigError(
             f"kv_connector_extra_config['spec_name']={options.spec_name!r}: KVOffloadConnector implements "
@@ -39,7 +34,9 @@ def parse_connector_config(extra: Mapping[str, object]) -> VLLMConnectorConfig:
     return options
 
 
-_TIER_KEYS = frozenset({"secondary_tiers", "backpressure", "tier_poll_interval_s"})
+def connector_tiering(options: VLLMConnectorConfig) -> TieringConfig:
+    """The tiers of decoded connector options, every valkey tier with its url (see :func:`parse_tiering_config`)."""
+    return check_tier_urls(tiering_of(options))
 
 
 def parse_tiering_config(extra: Mapping[str, object]) -> TieringConfig:
@@ -48,7 +45,11 @@ def parse_tiering_config(extra: Mapping[str, object]) -> TieringConfig:
     A ``valkey`` tier needs its ``url`` here: the scheduler and every worker are separate vLLM processes that
     must reach the same server (the embedded server is for single-process use and the demo).
     """
-    tiering = tiering_config_from_extra(extra)
+    return check_tier_urls(tiering_config_from_extra(extra))
+
+
+def check_tier_urls(tiering: TieringConfig) -> TieringConfig:
+    """``tiering`` itself, once every valkey tier is known to name its server's url."""
     for i, tier in enumerate(tiering.secondary_tiers):
         if isinstance(tier, ValkeyTierConfig) and not tier.url:
             raise ConfigError(

@@ -62,12 +62,9 @@ class _SchedulerHalf:
         pool = plan_host_pool_from_config(config)
         self.scheduler = build_scheduler(
             config,
+            options,
             tiering=tiering,
-            eviction_policy=options.eviction_policy,
-            store_threshold=options.store_threshold,
-            max_tracker_size=options.max_tracker_size,
             enable_events=config.enable_kv_cache_events,
-            offload_prompt_only=options.offload_prompt_only,
             null_block_id=_NULL_BLOCK_ID,
         )
         self.async_loads = options.load_mode is LoadMode.ASYNC

@@ -6,66 +6,172 @@ per-request position hints). A key's chunk is *pending* while its write is in fl
 ``ref_cnt == -1``), *ready* once the store completed (``0``) and *pinned* while loads read it (``> 0``).
 Only ready, unpinned chunks are evicted, never a key of the current offer, and never partially.
 
+The manager composes three parts with their own state: the chunk table (``_table``: which chunk holds which key,
+lookups, pins), the offer tracker and departure log (``_offers``: the store threshold, each request's store
+misses, why keys left) and its own events and totals.
+
 The manager is not thread-safe; callers serialize access (vLLM's callers hold the manager lock).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from collections.abc import Set as AbstractSet
 
 from kvoffload._generated import MissReason
+from kvoffload._ints import check_int
 from kvoffload.errors import ConfigError, InvalidStateError
 from kvoffload.offload.keys import OffloadKey
-from kvoffload.offload.manager._results import OffloadEvent, StorePlan
-from kvoffload.offload.manager._state import ManagerState
+from kvoffload.offload.manager._offers import DepartureLog, OfferTracker
+from kvoffload.offload.manager._results import LookupResult, ManagerStats, OffloadEvent, StorePlan
+from kvoffload.offload.manager._table import ChunkTable
+from kvoffload.offload.manager.policies import CachePolicy, make_policy
 
 __all__ = ["HostBlockManager"]
 
 
-class HostBlockManager(ManagerState):
+class HostBlockManager:
     """Allocates host-pool chunks to offload keys and tracks their write/read state (vLLM 0.33 semantics).
 
     ``num_chunks`` is the pool size; ``policy`` names a registered cache policy ("lru", "arc");
     ``enable_events`` collects :class:`OffloadEvent` for :meth:`take_events`; ``store_threshold >= 2``
     only stores keys offered at least that many times (counted per ``prepare_store`` offer in an LRU
     tracker of ``max_tracker_size`` keys, as vLLM 0.33.0 does); 0 and 1 store on first offer.
+    ``max_departures`` bounds the memory of why keys left the pool (see :meth:`miss_reason`).
 
     Chunk ids come fresh in increasing order until the pool has been used once, then from a LIFO free
     list. ``prepare_store`` returns ``None`` when room cannot be made; it never evicts a key of its own
-    offer nor a pending or pinned chunk.
+    offer nor a pending or pinned chunk. Invalid arguments raise :class:`ConfigError` naming field and value.
     """
 
-    __slots__ = ()
+    __slots__ = (
+        "_alloc_sizes",
+        "_departures",
+        "_dropped_total",
+        "_events",
+        "_evicted_total",
+        "_offers",
+        "_policy_name",
+        "_stored_total",
+        "_table",
+    )
 
-    # ------------------------------------------------------------------ stores
+    def __init__(
+        self,
+        num_chunks: int,
+        policy: str = "lru",
+        *,
+        enable_events: bool = False,
+        store_threshold: int = 0,
+        max_tracker_size: int = 64_000,
+        max_departures: int = 65_536,
+    ) -> None:
+        num_chunks = check_int("num_chunks", num_chunks, 0)
+        store_threshold = check_int("store_threshold", store_threshold, 0)
+        max_tracker_size = check_int("max_tracker_size", max_tracker_size, 1)
+        if not isinstance(enable_events, bool):
+            raise ConfigError(f"enable_events must be a bool, got {enable_events!r}")
+        if not isinstance(policy, str):
+            raise ConfigError(f"policy must be a str, got {policy!r}")
+        self._table = ChunkTable(num_chunks, make_policy(policy, num_chunks))
+        self._policy_name = policy
+        self._offers = OfferTracker(store_threshold, max_tracker_size)
+        self._departures = DepartureLog(check_int("max_departures", max_departures, 1))
+        self._events: list[OffloadEvent] | None = [] if enable_events else None
+        self._alloc_sizes = _SizeSamples()
+        self._stored_total = 0
+        self._evicted_total = 0
+        self._dropped_total = 0
 
-    def _record_offer(self, keys: Sequence[OffloadKey], counts: OrderedDict[OffloadKey, int]) -> None:
-        """Count one offer of each key in the store-threshold tracker without dropping offered keys.
+    # ------------------------------------------------------------------ introspection
 
-        Known keys move to the recent end; a new key evicts the oldest tracked key that is not part of
-        this offer, or is not tracked when only offered keys remain (vLLM 0.33.0 ``_record_accesses``).
+    @property
+    def num_chunks(self) -> int:
+        """Return the pool size in chunks."""
+        return self._table.num_chunks
+
+    @property
+    def policy(self) -> CachePolicy:
+        """Return the cache policy instance (for inspection; do not mutate it directly)."""
+        return self._table.policy
+
+    @property
+    def policy_name(self) -> str:
+        """Return the registry name of the cache policy."""
+        return self._policy_name
+
+    @property
+    def num_free_chunks(self) -> int:
+        """Return the number of chunks not holding any key (never used plus freed)."""
+        return self._table.num_free_chunks
+
+    @property
+    def num_evictable_chunks(self) -> int:
+        """Return the number of ready, unpinned chunks (eviction candidates before protection)."""
+        return self._table.num_evictable_chunks
+
+    @property
+    def store_counts(self) -> dict[OffloadKey, int]:
+        """Return a copy of the store-threshold tracker (offer counts, oldest first); empty when disabled."""
+        return self._offers.counts
+
+    @property
+    def usage(self) -> float:
+        """Share of chunks that cannot be evicted (pending or pinned): vLLM's ``cpu_cache_usage_perc``."""
+        return self._table.usage
+
+    def __len__(self) -> int:
+        """Return the number of resident keys (pending, ready or pinned)."""
+        return len(self._table)
+
+    def __contains__(self, key: object) -> bool:
+        """Tell whether ``key`` is resident in any state."""
+        return key in self._table
+
+    def chunk_id(self, key: OffloadKey) -> int | None:
+        """Return the chunk id holding ``key``, or ``None`` if it is not resident."""
+        return self._table.chunk_id(key)
+
+    def is_ready(self, key: OffloadKey) -> bool:
+        """Tell whether ``key`` is stored and readable (ready or pinned), without counting a lookup."""
+        return self._table.is_ready(key)
+
+    def has_pending_work(self) -> bool:
+        """Tell whether any store is in flight or any load pin is held.
+
+        vLLM's CPU manager always answers False (its connector tracks transfers); here the answer lets a
+        caller check that every ``prepare_*`` was matched by its ``complete_*`` before shutting down.
         """
-        protected: set[OffloadKey] = set()
-        move = counts.move_to_end
-        for key in keys:
-            count = counts.get(key)
-            if count is not None:
-                move(key)
-                counts[key] = count + 1
-                protected.add(key)
-        unprotected = len(counts) - len(protected)
-        limit = self._max_tracker_size
-        for key in keys:
-            if key in counts:
-                continue
-            if len(counts) >= limit:
-                if unprotected <= 0:
-                    continue
-                counts.popitem(last=False)
-                unprotected -= 1
-            counts[key] = 1
+        return self._table.has_pending_work()
+
+    # ------------------------------------------------------------------ lookups and loads
+
+    def lookup(self, key: OffloadKey) -> LookupResult:
+        """Return whether ``key`` is stored (HIT), being written (HIT_PENDING) or absent (MISS).
+
+        Read-only apart from statistics: recency is only changed by :meth:`touch`, and offers, not
+        lookups, count towards ``store_threshold`` (as in vLLM 0.33.0).
+        """
+        return self._table.lookup(key)
+
+    def prepare_load(self, keys: Sequence[OffloadKey]) -> list[int]:
+        """Pin ``keys`` for reading and return their chunk ids in key order.
+
+        Every key must be stored and ready, else :class:`InvalidStateError` names it and nothing stays
+        pinned. A key may be pinned several times; each pin needs one :meth:`complete_load`.
+        """
+        return self._table.prepare_load(keys)
+
+    def complete_load(self, keys: Sequence[OffloadKey]) -> None:
+        """Release one pin per key taken by :meth:`prepare_load`; a chunk becomes evictable at zero pins.
+
+        A key that is not pinned raises :class:`InvalidStateError` naming it, and no pin is released.
+        """
+        self._table.complete_load(keys)
+
+    def touch(self, keys: Sequence[OffloadKey]) -> None:
+        """Record an access to resident ``keys`` for the policy; ``keys[0]`` ends most recent."""
+        self._table.touch(keys)
 
     def prepare_store(self, keys: Sequence[OffloadKey], *, request_id: str | None = None) -> StorePlan | None:
         """Allocate chunks for the offered keys that are not resident, evicting if needed.
@@ -77,73 +183,27 @@ class HostBlockManager(ManagerState):
         ``on_request_finished(..., request_id=...)`` or :meth:`reset`); without it every call counts as
         its own request. Follow with :meth:`complete_store` for ``keys_to_store``.
         """
-        counts = self._counts
-        if counts is not None:
-            self._record_offer(keys, counts)
-        ref = self._ref
-        to_store = [key for key in keys if key not in ref]
-        if counts is not None and to_store:
-            candidates = len(to_store)
-            threshold = self._store_threshold
-            get = counts.get
-            to_store = [key for key in to_store if get(key, 0) >= threshold]
-            self._stores_skipped += candidates - len(to_store)
+        table = self._table
+        to_store = self._offers.filter(keys, [key for key in keys if key not in table])
         if not to_store:
             return StorePlan([], [], [])
         n = len(to_store)
         if n > 1 and len(set(to_store)) != n:
             to_store = list(dict.fromkeys(to_store))
             n = len(to_store)
-
-        policy = self._policy
-        if request_id is None:
-            policy.on_store_miss(to_store)
-        else:
-            seen = self._store_misses.get(request_id)
-            if seen is None:
-                seen = self._store_misses[request_id] = set()
-            new_misses = [key for key in to_store if key not in seen]
-            if new_misses:
-                policy.on_store_miss(new_misses)
-                seen.update(new_misses)
-
-        self._alloc_sizes.append(n)
-        free = self._free
-        num_chunks = self._num_chunks
-        need = n - (len(free) + num_chunks - self._next_fresh)
-        evicted_keys: list[OffloadKey] = []
-        if need > 0:
-            if need > self._evictable:
-                return None
-            evicted = policy.evict(need, set(keys))
-            if evicted is None:
-                return None
-            cid = self._cid
-            for key, chunk_id in evicted:
-                del ref[key]
-                del cid[key]
-                free.append(chunk_id)
-                evicted_keys.append(key)
-            self._remember(evicted_keys, MissReason.EVICTED)
-            self._evictable -= len(evicted)
-            self._evicted_total += len(evicted)
+        misses = self._offers.new_store_misses(request_id, to_store)
+        if misses:
+            table.policy.on_store_miss(misses)
+        self._alloc_sizes.add(n)
+        evicted_keys = table.evict_for(n, set(keys))
+        if evicted_keys is None:
+            return None
+        if evicted_keys:
+            self._departures.remember(evicted_keys, MissReason.EVICTED)
+            self._evicted_total += len(evicted_keys)
             if self._events is not None:
                 self._events.append(OffloadEvent(tuple(evicted_keys), True))
-
-        fresh = min(n, num_chunks - self._next_fresh)
-        start = self._next_fresh
-        chunk_ids = list(range(start, start + fresh))
-        self._next_fresh = start + fresh
-        if fresh < n:
-            reused = free[fresh - n :]
-            del free[fresh - n :]
-            reused.reverse()
-            chunk_ids += reused
-
-        ref.update(dict.fromkeys(to_store, -1))
-        self._cid.update(zip(to_store, chunk_ids, strict=True))
-        policy.insert_many(to_store, chunk_ids)
-        self._write_pending += n
+        chunk_ids = table.allocate(to_store)
         return StorePlan(to_store, chunk_ids, evicted_keys)
 
     def complete_store(self, keys: Collection[OffloadKey], success: bool = True) -> None:
@@ -153,30 +213,13 @@ class HostBlockManager(ManagerState):
         emits one stored event; a failure emits one ``metadata_only`` removal (vLLM 0.33.0 emits removals
         before stored events, and one call never has both).
         """
-        ref = self._ref
-        policy = self._policy
-        changed: list[OffloadKey] = []
         if success:
-            for key in keys:
-                if ref.get(key) == -1:
-                    ref[key] = 0
-                    changed.append(key)
-            if changed:
-                policy.mark_evictable_many(changed)
-                self._evictable += len(changed)
-                self._stored_total += len(changed)
+            changed = self._table.seal(keys)
+            self._stored_total += len(changed)
         else:
-            cid = self._cid
-            free = self._free
-            for key in keys:
-                if ref.get(key) == -1:
-                    del ref[key]
-                    policy.remove(key)
-                    free.append(cid.pop(key))
-                    changed.append(key)
+            changed = self._table.fail(keys)
             if changed:
-                self._remember(changed, MissReason.STORE_FAILED)
-        self._write_pending -= len(changed)
+                self._departures.remember(changed, MissReason.STORE_FAILED)
         if changed and self._events is not None:
             self._events.append(OffloadEvent(tuple(changed), not success, metadata_only=not success))
 
@@ -188,23 +231,12 @@ class HostBlockManager(ManagerState):
         ``prepare_load`` refuses it, offers skip it) and its chunk is freed when its last pin is released.
         Absent and pending keys are ignored. Returns the keys dropped, announced in one removal event.
         """
-        ref = self._ref
-        dropped: list[OffloadKey] = []
-        for key in dict.fromkeys(keys):
-            count = ref.get(key)
-            if count is None or count < 0 or key in self._dead:
-                continue
-            if count == 0:
-                self._evictable -= 1
-                self._free_key(key)
-            else:
-                self._dead.add(key)
-            dropped.append(key)
+        dropped = self._table.drop(keys)
         self._dropped_total += len(dropped)
         if dropped:
-            self._remember(dropped, reason)
-        if dropped and self._events is not None:
-            self._events.append(OffloadEvent(tuple(dropped), True))
+            self._departures.remember(dropped, reason)
+            if self._events is not None:
+                self._events.append(OffloadEvent(tuple(dropped), True))
         return dropped
 
     # ------------------------------------------------------------------ request lifecycle and events
@@ -219,9 +251,9 @@ class HostBlockManager(ManagerState):
         reused keys, as vLLM 0.33. ``request_id`` also drops the request's store-miss memory.
         """
         if request_id is not None:
-            self._store_misses.pop(request_id, None)
+            self._offers.forget_request(request_id)
         reused: AbstractSet[OffloadKey] = reused_keys if isinstance(reused_keys, AbstractSet) else set(reused_keys)
-        self._policy.on_request_finished(keys, reused)
+        self._table.policy.on_request_finished(keys, reused)
 
     def take_events(self) -> list[OffloadEvent]:
         """Return and forget the events collected since the last call (always empty when disabled).
@@ -235,11 +267,11 @@ class HostBlockManager(ManagerState):
         self._events = []
         if not any(event.metadata_only for event in events):
             return events
-        ref = self._ref
+        table = self._table
         out: list[OffloadEvent] = []
         for event in events:
             if event.metadata_only:
-                keys = tuple(key for key in event.keys if key not in ref)
+                keys = tuple(key for key in event.keys if key not in table)
                 if not keys:
                     continue
                 if len(keys) != len(event.keys):
@@ -253,15 +285,8 @@ class HostBlockManager(ManagerState):
         In-flight stores and loads are forgotten: their later ``complete_*`` calls must not be made.
         Pending events, the store-threshold tracker and the cumulative counters are kept.
         """
-        self._policy.clear()
-        self._ref.clear()
-        self._cid.clear()
-        self._free.clear()
-        self._next_fresh = 0
-        self._evictable = 0
-        self._write_pending = 0
-        self._store_misses.clear()
-        self._dead.clear()
+        self._table.clear()
+        self._offers.forget_requests()
 
     def remove(self, keys: Sequence[OffloadKey], reason: MissReason) -> list[OffloadKey]:
         """Drop ``keys`` from the pool for ``reason`` (CORRUPT after a checksum failure, TIER_UNAVAILABLE, ...)
@@ -273,11 +298,84 @@ class HostBlockManager(ManagerState):
         """
         if not isinstance(reason, MissReason):
             raise ConfigError(f"reason must be a MissReason, got {reason!r}")
-        ref = self._ref
+        table = self._table
         for key in keys:
-            if ref.get(key, 0) < 0:
+            if (table.ref_count(key) or 0) < 0:
                 raise InvalidStateError(f"cannot remove key {key!r}: its store is in flight (fail the store instead)")
-        absent = [key for key in dict.fromkeys(keys) if key not in ref]
+        absent = [key for key in dict.fromkeys(keys) if key not in table]
         if absent:
-            self._remember(absent, reason)
-        return self.drop([key for key in keys if key in ref], reason)
+            self._departures.remember(absent, reason)
+        return self.drop([key for key in keys if key in table], reason)
+
+    # ------------------------------------------------------------------ miss explanations and statistics
+
+    def miss_reason(self, key: OffloadKey) -> MissReason | None:
+        """Why ``key`` is not loadable now, or ``None`` when it is stored and ready (no statistics change).
+
+        A pending write answers STORE_PENDING; a dropped key (absent, or dead until its last unpin) answers the
+        remembered reason it left (evicted, store failed, corrupt, or whatever :meth:`remove` was told); else
+        BELOW_STORE_THRESHOLD when it was offered fewer than ``store_threshold`` times, else NEVER_STORED. The
+        memory is bounded by ``max_departures`` (oldest forgotten first) and survives :meth:`reset`.
+        """
+        ref = self._table.ref_count(key)
+        if ref is not None:
+            if ref < 0:
+                return MissReason.STORE_PENDING
+            if not self._table.is_dead(key):
+                return None
+        reason = self._departures.reason(key)
+        if reason is not None:
+            return reason
+        if ref is not None:
+            return MissReason.CORRUPT  # dead, its reason forgotten: only corrupt chunks turn dead on their own
+        if self._offers.below_threshold(key):
+            return MissReason.BELOW_STORE_THRESHOLD
+        return MissReason.NEVER_STORED
+
+    def stats(self) -> ManagerStats:
+        """Return usage gauges and counters; allocation sizes and skipped stores restart from zero."""
+        table = self._table
+        num_chunks = table.num_chunks
+        usage = table.usage
+        write_usage = table.write_pending / num_chunks if num_chunks > 0 else 0.0
+        sizes = self._alloc_sizes.take()
+        return ManagerStats(
+            num_chunks=num_chunks,
+            usage=usage,
+            write_usage=write_usage,
+            read_usage=max(usage - write_usage, 0.0),
+            allocation_sizes=sizes,
+            stores_skipped=self._offers.take_skipped(),
+            lookups=table.hits + table.misses,
+            hits=table.hits,
+            misses=table.misses,
+            stored=self._stored_total,
+            evicted=self._evicted_total,
+            load_pins=table.load_pins,
+            dropped=self._dropped_total,
+        )
+
+
+class _SizeSamples:
+    """Allocation sizes since the last take, in memory bounded by the distinct sizes seen: the first
+    ``keep`` samples in order, every later one only counted per size (a caller that never takes them, such as
+    an engine without metrics, does not grow a list by one entry per store offer)."""
+
+    __slots__ = ("_first", "_keep", "_more")
+
+    def __init__(self, keep: int = 4096) -> None:
+        self._keep = keep
+        self._first: list[int] = []
+        self._more: dict[int, int] = {}
+
+    def add(self, size: int) -> None:
+        if len(self._first) < self._keep:
+            self._first.append(size)
+        else:
+            self._more[size] = self._more.get(size, 0) + 1
+
+    def take(self) -> tuple[int, ...]:
+        """The samples (the first ``keep`` in order, then the rest by size) and a fresh start."""
+        out = self._first + [size for size in sorted(self._more) for _ in range(self._more[size])]
+        self._first, self._more = [], {}
+        return tuple(out)

@@ -55,8 +55,8 @@ __all__ = ["OffloadScheduler"]
 class OffloadScheduler:
     """Decides, per request, which chunks to load from and store into the host pool (vLLM 0.33 semantics).
 
-    ``offload_prompt_only`` defaults to ``extra_config["offload_prompt_only"]`` (True when absent, as in
-    vLLM): decode-phase KV is not offloaded unless it is turned off. ``null_block_id`` names the engine's
+    ``offload_prompt_only`` (True, vLLM's default; :func:`~kvoffload.build_scheduler` takes it from the decoded
+    extra config): decode-phase KV is not offloaded unless it is turned off. ``null_block_id`` names the engine's
     placeholder block (vLLM uses 0 for blocks a sliding window dropped): chunks holding it are never stored.
     ``extension`` plugs in what lies below the host pool (:class:`~kvoffload.tiers.Tiering`); see
     :class:`SchedulerExtension` for when its hooks run.
@@ -67,12 +67,10 @@ class OffloadScheduler:
         config: OffloadingConfig,
         manager: HostBlockManager,
         *,
-        offload_prompt_only: bool | None = None,
+        offload_prompt_only: bool = True,
         null_block_id: int | None = None,
         extension: SchedulerExtension | None = None,
     ) -> None:
-        if offload_prompt_only is None:
-            offload_prompt_only = bool(config.extra_config.get("offload_prompt_only", True))
         self.config = config
         self.manager = manager
         self.extension = extension

@@ -12,10 +12,10 @@ import time
 from typing import TYPE_CHECKING
 
 from kvoffload._generated import JobResult, StepPlan, TransferJob, WorkerReport
-from kvoffload._packed import Int32Array, Int64Array
+from kvoffload._packed import Int64Array
 from kvoffload.errors import KVOffloadError
 from kvoffload.offload._direction import Direction
-from kvoffload.offload.worker.copy import CopyEngine
+from kvoffload.offload.worker.copy import CopyEngine, CopyJob
 
 if TYPE_CHECKING:
     from kvoffload.tiers import TierWorker
@@ -101,17 +101,9 @@ class OffloadWorker:
             self._submit(job, Direction.STORE)
 
     def _submit(self, job: TransferJob, direction: Direction) -> None:
-        submit = self.engine.submit_store if direction is Direction.STORE else self.engine.submit_load
         started = time.perf_counter()
         try:
-            submit(
-                job.job_id,
-                group_sizes=Int32Array.from_buffer(job.group_sizes).tolist(),
-                block_indices=Int32Array.from_buffer(job.block_indices).tolist(),
-                block_ids=Int64Array.from_buffer(job.block_ids).to_tensor(),
-                chunk_ids=Int64Array.from_buffer(job.chunk_ids).to_tensor(),
-                chunk_tags=Int64Array.from_buffer(job.chunk_tags).to_tensor() if job.chunk_tags else None,
-            )
+            self.engine.submit(CopyJob.from_transfer(job, direction))
         except KVOffloadError as exc:
             self._failed.append(
                 JobResult(

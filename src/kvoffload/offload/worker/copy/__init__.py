@@ -13,6 +13,7 @@ The names below are the surface (``__all__``); the modules behind them are priva
 
 from kvoffload.offload.worker.copy._backend import CopyBackend, Direction
 from kvoffload.offload.worker.copy._engine import CopyEngine
+from kvoffload.offload.worker.copy._job import CopyJob
 from kvoffload.offload.worker.copy._placement import (
     CopySegment,
     GroupLayout,
@@ -27,6 +28,7 @@ from kvoffload.offload.worker.copy._runs import CopyRuns, IdsLike, build_block_s
 __all__ = [
     "CopyBackend",
     "CopyEngine",
+    "CopyJob",
     "CopyRuns",
     "CopySegment",
     "Direction",

@@ -12,6 +12,7 @@ from kvoffload.offload.pool import BlockSlots, HostPool
 from kvoffload.offload.worker.copy._backend import CopyBackend, Direction, Integrity
 from kvoffload.offload.worker.copy._cpu import CpuBackend
 from kvoffload.offload.worker.copy._cuda import CudaBackend
+from kvoffload.offload.worker.copy._job import CopyJob
 from kvoffload.offload.worker.copy._native import KERNEL, NativeKernel
 from kvoffload.offload.worker.copy._placement import TransferLayout
 from kvoffload.offload.worker.copy._runs import CopyRuns, IdsLike, build_block_slots, build_copy_runs
@@ -133,7 +134,7 @@ class CopyEngine:
         omitted: untagged). A rank that does not write to a shared replicated pool completes the job with 0
         bytes and leaves the pool's integrity table to the writer.
         """
-        self._submit(Direction.STORE, job_id, group_sizes, block_indices, block_ids, chunk_ids, chunk_tags)
+        self.submit(CopyJob(job_id, Direction.STORE, group_sizes, block_indices, block_ids, chunk_ids, chunk_tags))
 
     def submit_load(
         self,
@@ -150,24 +151,20 @@ class CopyEngine:
         The job fails (``corrupt_chunk_ids`` set) when a sub-block it reads was not sealed by a completed
         store, holds another key than ``chunk_tags`` says, or (with checksums) has other bytes than stored.
         """
-        self._submit(Direction.LOAD, job_id, group_sizes, block_indices, block_ids, chunk_ids, chunk_tags)
+        self.submit(CopyJob(job_id, Direction.LOAD, group_sizes, block_indices, block_ids, chunk_ids, chunk_tags))
 
-    def _submit(
-        self,
-        direction: Direction,
-        job_id: int,
-        group_sizes: Sequence[int],
-        block_indices: Sequence[int],
-        block_ids: IdsLike,
-        chunk_ids: IdsLike,
-        chunk_tags: IdsLike | None = None,
-    ) -> None:
+    def submit(self, job: CopyJob) -> None:
+        """Start a store or a load (:class:`CopyJob`); returns immediately, its result comes from :meth:`poll`."""
+        job_id, direction = job.job_id, job.direction
         if self._closed:
             raise InvalidStateError(f"job {job_id}: the copy engine is closed")
         if job_id in self._unpolled:
             raise InvalidStateError(f"job_id={job_id} is still in flight (or its result was not polled)")
         runs = self.plan_runs(
-            group_sizes=group_sizes, block_indices=block_indices, block_ids=block_ids, chunk_ids=chunk_ids
+            group_sizes=job.group_sizes,
+            block_indices=job.block_indices,
+            block_ids=job.block_ids,
+            chunk_ids=job.chunk_ids,
         )
         if len(runs):
             # Guards the raw-pointer copies against a hand-built layout that does not fit the memory.
@@ -186,10 +183,10 @@ class CopyEngine:
             slots = build_block_slots(
                 self._layout,
                 self._table,
-                group_sizes=group_sizes,
-                block_indices=block_indices,
-                chunk_ids=chunk_ids,
-                chunk_tags=chunk_tags,
+                group_sizes=job.group_sizes,
+                block_indices=job.block_indices,
+                chunk_ids=job.chunk_ids,
+                chunk_tags=job.chunk_tags,
                 blocks_per_chunk=self._bpc,
                 host_row_bytes=self._row_bytes,
                 host_slot_offset=self._slot_offset,

@@ -1,87 +1,52 @@
-"""The state of a host block manager and its read side: lookups, load pins, miss reasons and statistics.
+"""The host pool's chunk table: which chunk holds which key, in which state, and the reads on it.
 
-:class:`ManagerState` holds what :class:`~kvoffload.offload.manager.HostBlockManager` knows about each key
-(its chunk, its vLLM-style ``ref_cnt``, why it left) and answers questions about it; the manager adds the
-write side (stores, drops, resets). A key's chunk is *pending* while its write is in flight (``ref_cnt ==
--1``), *ready* once the store completed (``0``) and *pinned* while loads read it (``> 0``).
+A key's chunk is *pending* while its write is in flight (vLLM ``ref_cnt == -1``), *ready* once the store
+completed (``0``) and *pinned* while loads read it (``> 0``). :class:`ChunkTable` answers lookups, takes and
+releases load pins and performs the writes :class:`~kvoffload.offload.manager.HostBlockManager` decides on.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
-from kvoffload._generated import MissReason
-from kvoffload._ints import check_int
-from kvoffload.errors import ConfigError, InvalidStateError
+from kvoffload.errors import InvalidStateError
 from kvoffload.offload.keys import OffloadKey
-from kvoffload.offload.manager._results import LookupResult, ManagerStats, OffloadEvent
-from kvoffload.offload.manager.policies import CachePolicy, make_policy
+from kvoffload.offload.manager._results import LookupResult
+from kvoffload.offload.manager.policies import CachePolicy
 
-__all__ = ["ManagerState"]
+__all__ = ["ChunkTable"]
 
 _MISS = LookupResult.MISS
 _HIT = LookupResult.HIT
 _HIT_PENDING = LookupResult.HIT_PENDING
 
 
-class ManagerState:
-    """The key -> chunk state of a host block manager, its lookups and load pins (see :class:`HostBlockManager`).
+class ChunkTable:
+    """Which host chunk holds which key, and in which state; the pool's lookups and load pins.
 
-    Not used on its own: :class:`~kvoffload.offload.manager.HostBlockManager` builds on it.
+    Chunk ids come fresh in increasing order until the pool has been used once, then from a LIFO free list.
+    The table keeps the cache policy in step with every state change (insertions, evictability, removals); the
+    manager (:class:`~kvoffload.offload.manager.HostBlockManager`) decides when a store, drop or reset happens.
     """
 
     __slots__ = (
-        "_alloc_sizes",
         "_cid",
-        "_counts",
         "_dead",
-        "_departed",
-        "_dropped_total",
-        "_events",
         "_evictable",
-        "_evicted_total",
         "_free",
-        "_hits",
-        "_load_pins",
-        "_max_departures",
-        "_max_tracker_size",
-        "_misses",
         "_next_fresh",
         "_num_chunks",
         "_policy",
-        "_policy_name",
         "_ref",
-        "_store_misses",
-        "_store_threshold",
-        "_stored_total",
-        "_stores_skipped",
         "_write_pending",
+        "hits",
+        "load_pins",
+        "misses",
     )
 
-    def __init__(
-        self,
-        num_chunks: int,
-        policy: str = "lru",
-        *,
-        enable_events: bool = False,
-        store_threshold: int = 0,
-        max_tracker_size: int = 64_000,
-        max_departures: int = 65_536,
-    ) -> None:
-        """Create an empty manager; invalid arguments raise :class:`ConfigError` naming field and value.
-
-        ``max_departures`` bounds the memory of why keys left the pool (see :meth:`miss_reason`).
-        """
-        self._num_chunks = check_int("num_chunks", num_chunks, 0)
-        self._store_threshold = check_int("store_threshold", store_threshold, 0)
-        self._max_tracker_size = check_int("max_tracker_size", max_tracker_size, 1)
-        if not isinstance(enable_events, bool):
-            raise ConfigError(f"enable_events must be a bool, got {enable_events!r}")
-        if not isinstance(policy, str):
-            raise ConfigError(f"policy must be a str, got {policy!r}")
-        self._policy: CachePolicy = make_policy(policy, num_chunks)
-        self._policy_name = policy
+    def __init__(self, num_chunks: int, policy: CachePolicy) -> None:
+        self._num_chunks = num_chunks
+        self._policy = policy
         # key -> vLLM ref_cnt: -1 pending write, 0 ready, n > 0 pinned by n loads. Presence == resident.
         self._ref: dict[OffloadKey, int] = {}
         self._cid: dict[OffloadKey, int] = {}  # key -> chunk id (mirrors the policy, for fast loads)
@@ -89,21 +54,13 @@ class ManagerState:
         self._free: list[int] = []  # LIFO stack of freed chunk ids
         self._evictable = 0  # resident chunks with ref_cnt == 0
         self._write_pending = 0  # resident chunks with ref_cnt == -1
-        self._events: list[OffloadEvent] | None = [] if enable_events else None
-        self._counts: OrderedDict[OffloadKey, int] | None = OrderedDict() if store_threshold >= 2 else None
-        self._store_misses: dict[str, set[OffloadKey]] = {}  # request id -> keys already reported
-        self._alloc_sizes: list[int] = []
-        self._stores_skipped = 0
-        self._hits = 0
-        self._misses = 0
-        self._stored_total = 0
-        self._evicted_total = 0
-        self._load_pins = 0
         self._dead: set[OffloadKey] = set()  # pinned keys dropped as corrupt: freed at their last unpin
-        self._dropped_total = 0
-        # Observability: why a key left (bounded, oldest forgotten first), so a later miss can say so.
-        self._max_departures = check_int("max_departures", max_departures, 1)
-        self._departed: OrderedDict[OffloadKey, MissReason] = OrderedDict()
+        self.hits = 0
+        """Lookups answered HIT or HIT_PENDING."""
+        self.misses = 0
+        """Lookups answered MISS."""
+        self.load_pins = 0
+        """Keys pinned by :meth:`prepare_load`."""
 
     # ------------------------------------------------------------------ introspection
 
@@ -118,11 +75,6 @@ class ManagerState:
         return self._policy
 
     @property
-    def policy_name(self) -> str:
-        """Return the registry name of the cache policy."""
-        return self._policy_name
-
-    @property
     def num_free_chunks(self) -> int:
         """Return the number of chunks not holding any key (never used plus freed)."""
         return len(self._free) + self._num_chunks - self._next_fresh
@@ -131,11 +83,6 @@ class ManagerState:
     def num_evictable_chunks(self) -> int:
         """Return the number of ready, unpinned chunks (eviction candidates before protection)."""
         return self._evictable
-
-    @property
-    def store_counts(self) -> dict[OffloadKey, int]:
-        """Return a copy of the store-threshold tracker (offer counts, oldest first); empty when disabled."""
-        return dict(self._counts) if self._counts is not None else {}
 
     def __len__(self) -> int:
         """Return the number of resident keys (pending, ready or pinned)."""
@@ -172,9 +119,9 @@ class ManagerState:
         """
         ref = self._ref.get(key)
         if ref is None or (self._dead and key in self._dead):
-            self._misses += 1
+            self.misses += 1
             return _MISS
-        self._hits += 1
+        self.hits += 1
         return _HIT if ref >= 0 else _HIT_PENDING
 
     def prepare_load(self, keys: Sequence[OffloadKey]) -> list[int]:
@@ -198,7 +145,7 @@ class ManagerState:
         if first_pins:
             self._evictable -= len(first_pins)
             self._policy.mark_non_evictable_many(first_pins)
-        self._load_pins += len(keys)
+        self.load_pins += len(keys)
         cid = self._cid
         return [cid[key] for key in keys]
 
@@ -241,40 +188,20 @@ class ManagerState:
         self._policy.remove(key)
         self._free.append(self._cid.pop(key))
 
-    # ------------------------------------------------------------------ miss explanations (observability)
+    # ------------------------------------------------------------------ state of one key
 
-    def _remember(self, keys: Sequence[OffloadKey], reason: MissReason) -> None:
-        """Record why ``keys`` left the pool (or are unavailable), forgetting the oldest beyond the bound."""
-        departed = self._departed
-        for key in keys:
-            departed[key] = reason
-            departed.move_to_end(key)
-        while len(departed) > self._max_departures:
-            departed.popitem(last=False)
+    def ref_count(self, key: OffloadKey) -> int | None:
+        """vLLM's ``ref_cnt`` of a resident key (-1 pending, 0 ready, n pinned), None when absent."""
+        return self._ref.get(key)
 
-    def miss_reason(self, key: OffloadKey) -> MissReason | None:
-        """Why ``key`` is not loadable now, or ``None`` when it is stored and ready (no statistics change).
+    def is_dead(self, key: OffloadKey) -> bool:
+        """Whether ``key`` was dropped while pinned (freed at its last unpin)."""
+        return key in self._dead
 
-        A pending write answers STORE_PENDING; a dropped key (absent, or dead until its last unpin) answers the
-        remembered reason it left (evicted, store failed, corrupt, or whatever :meth:`remove` was told); else
-        BELOW_STORE_THRESHOLD when it was offered fewer than ``store_threshold`` times, else NEVER_STORED. The
-        memory is bounded by ``max_departures`` (oldest forgotten first) and survives :meth:`reset`.
-        """
-        ref = self._ref.get(key)
-        if ref is not None:
-            if ref < 0:
-                return MissReason.STORE_PENDING
-            if key not in self._dead:
-                return None
-        reason = self._departed.get(key)
-        if reason is not None:
-            return reason
-        if ref is not None:
-            return MissReason.CORRUPT  # dead, its reason forgotten: only corrupt chunks turn dead on their own
-        counts = self._counts
-        if counts is not None and 0 < counts.get(key, 0) < self._store_threshold:
-            return MissReason.BELOW_STORE_THRESHOLD
-        return MissReason.NEVER_STORED
+    @property
+    def write_pending(self) -> int:
+        """Resident chunks whose write is in flight."""
+        return self._write_pending
 
     @property
     def usage(self) -> float:
@@ -284,27 +211,97 @@ class ManagerState:
             return 0.0
         return (self._next_fresh - len(self._free) - self._evictable) / num_chunks
 
-    def stats(self) -> ManagerStats:
-        """Return usage gauges and counters; allocation sizes and skipped stores restart from zero."""
-        num_chunks = self._num_chunks
-        usage = self.usage
-        write_usage = self._write_pending / num_chunks if num_chunks > 0 else 0.0
-        sizes = tuple(self._alloc_sizes)
-        self._alloc_sizes.clear()
-        skipped = self._stores_skipped
-        self._stores_skipped = 0
-        return ManagerStats(
-            num_chunks=num_chunks,
-            usage=usage,
-            write_usage=write_usage,
-            read_usage=max(usage - write_usage, 0.0),
-            allocation_sizes=sizes,
-            stores_skipped=skipped,
-            lookups=self._hits + self._misses,
-            hits=self._hits,
-            misses=self._misses,
-            stored=self._stored_total,
-            evicted=self._evicted_total,
-            load_pins=self._load_pins,
-            dropped=self._dropped_total,
-        )
+    # ------------------------------------------------------------------ writes (the manager decides when)
+
+    def evict_for(self, n: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
+        """Make room for ``n`` new chunks, evicting ready, unpinned keys outside ``protected`` as the policy
+        chooses; the evicted keys, or None (nothing changed) when not enough can be evicted."""
+        need = n - (len(self._free) + self._num_chunks - self._next_fresh)
+        if need <= 0:
+            return []
+        if need > self._evictable:
+            return None
+        evicted = self._policy.evict(need, protected)
+        if evicted is None:
+            return None
+        ref, cid, free = self._ref, self._cid, self._free
+        keys: list[OffloadKey] = []
+        for key, chunk_id in evicted:
+            del ref[key]
+            del cid[key]
+            free.append(chunk_id)
+            keys.append(key)
+        self._evictable -= len(keys)
+        return keys
+
+    def allocate(self, keys: list[OffloadKey]) -> list[int]:
+        """Give each of ``keys`` (absent, distinct, room made) a chunk, its write pending; their chunk ids."""
+        n = len(keys)
+        free = self._free
+        fresh = min(n, self._num_chunks - self._next_fresh)
+        start = self._next_fresh
+        chunk_ids = list(range(start, start + fresh))
+        self._next_fresh = start + fresh
+        if fresh < n:
+            reused = free[fresh - n :]
+            del free[fresh - n :]
+            reused.reverse()
+            chunk_ids += reused
+        self._ref.update(dict.fromkeys(keys, -1))
+        self._cid.update(zip(keys, chunk_ids, strict=True))
+        self._policy.insert_many(keys, chunk_ids)
+        self._write_pending += n
+        return chunk_ids
+
+    def seal(self, keys: Collection[OffloadKey]) -> list[OffloadKey]:
+        """The pending keys of ``keys`` turn ready; returns them."""
+        ref = self._ref
+        changed: list[OffloadKey] = []
+        for key in keys:  # one by one: a key listed twice changes once
+            if ref.get(key) == -1:
+                ref[key] = 0
+                changed.append(key)
+        if changed:
+            self._policy.mark_evictable_many(changed)
+            self._evictable += len(changed)
+            self._write_pending -= len(changed)
+        return changed
+
+    def fail(self, keys: Collection[OffloadKey]) -> list[OffloadKey]:
+        """The pending keys of ``keys`` are forgotten and their chunks freed; returns them."""
+        ref = self._ref
+        changed: list[OffloadKey] = []
+        for key in keys:  # one by one: a key listed twice changes once
+            if ref.get(key) == -1:
+                self._free_key(key)
+                changed.append(key)
+        self._write_pending -= len(changed)
+        return changed
+
+    def drop(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """Drop the stored keys of ``keys``: a ready one is freed now, a pinned one turns dead (freed at its last
+        unpin); absent, pending and already dead keys are ignored. Returns the keys dropped."""
+        ref = self._ref
+        dropped: list[OffloadKey] = []
+        for key in dict.fromkeys(keys):
+            count = ref.get(key)
+            if count is None or count < 0 or key in self._dead:
+                continue
+            if count == 0:
+                self._evictable -= 1
+                self._free_key(key)
+            else:
+                self._dead.add(key)
+            dropped.append(key)
+        return dropped
+
+    def clear(self) -> None:
+        """Forget every chunk and the policy's learned state (vLLM's ``reset_cache``)."""
+        self._policy.clear()
+        self._ref.clear()
+        self._cid.clear()
+        self._free.clear()
+        self._next_fresh = 0
+        self._evictable = 0
+        self._write_pending = 0
+        self._dead.clear()
