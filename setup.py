@@ -1,8 +1,8 @@
 """Builds the optional native copy kernel (csrc/kvcopy.c); everything else is in pyproject.toml.
 
 The kernel is optional: without a C compiler the install still succeeds and the CPU copy engine falls back
-to its pure-Python path (slower with checksums). On x86-64 a second build uses AVX2, picked at run time when
-the CPU has it.
+to its pure-Python path (slower with checksums). On x86-64 two more builds use AVX2 and AVX-512F; the widest
+one the CPU has is picked at run time.
 """
 
 import platform
@@ -21,14 +21,15 @@ extensions = [
     )
 ]
 if platform.machine().lower() in ("x86_64", "amd64"):
-    extensions.append(
-        Extension(
-            "kvoffload.offload.worker.copy._kvcopy_avx2",
-            sources=["csrc/kvcopy_avx2.c"],
-            depends=["csrc/kvcopy.c", "csrc/third_party/xxhash/xxhash.h"],
-            extra_compile_args=[*_FLAGS, "-mavx2"],
-            optional=True,
+    for isa, flag in (("avx2", "-mavx2"), ("avx512", "-mavx512f")):
+        extensions.append(
+            Extension(
+                f"kvoffload.offload.worker.copy._kvcopy_{isa}",
+                sources=[f"csrc/kvcopy_{isa}.c"],
+                depends=["csrc/kvcopy.c", "csrc/third_party/xxhash/xxhash.h"],
+                extra_compile_args=[*_FLAGS, flag],
+                optional=True,
+            )
         )
-    )
 
 setup(ext_modules=extensions)

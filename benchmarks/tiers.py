@@ -7,9 +7,12 @@ Disk: the tier (records with header and xxh3 checksum, atomic rename, thread poo
 Valkey: the tier (records, checksums, pipelined batches, thread pool) vs the client's raw pipelined
 ``SET``/``GET`` of the same chunk bytes (same batch size, same threads) on one embedded server (Unix socket).
 Each repeat runs raw and tier back to back on fresh keys; best of ``--repeats``. Reads are warm (page
-cache, server memory) for both sides.
+cache, server memory) for both sides. The ``-mac`` rows (``disk-mac``, ``valkey-mac``) run the same tier with
+a record secret (``KVOFFLOAD_RECORD_SECRET``: every record also carries a keyed BLAKE2b MAC of its bytes, made
+on write and checked on read), so the MAC's cost is the ratio against the plain row of the same run.
 
     python benchmarks/tiers.py [--chunks 256K,2M] [--total-mib 128] [--repeats 3] [--threads 2]
+        [--tiers disk,disk-odirect,valkey,disk-mac,valkey-mac]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 import torch
 
 from kvoffload.tiers import EmbeddedValkey, FsTier, Namespace, TierBase, ValkeyTier
+from kvoffload.tiers._record import SECRET_ENV
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -191,7 +195,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="threads on both sides (default 2)")
     parser.add_argument("--batch", type=int, default=16, help="Valkey pipeline batch (default 16)")
-    parser.add_argument("--tiers", default="disk,disk-odirect,valkey", help="which tiers (default all)")
+    parser.add_argument(
+        "--tiers",
+        default="disk,disk-odirect,valkey,disk-mac,valkey-mac",
+        help="which tiers (default disk,disk-odirect,valkey,disk-mac,valkey-mac)",
+    )
     args = parser.parse_args()
     header = f"{'tier':<13} {'chunk':>7} {'raw write':>10} {'tier write':>10} {'ratio':>6} "
     header += f"{'raw read':>9} {'tier read':>9} {'ratio':>6}   (GB/s)"
@@ -201,10 +209,16 @@ def main() -> None:
         n = max(1, args.total_mib * (1 << 20) // size)
         rows = torch.randint(0, 256, (n, size), dtype=torch.uint8)
         for name in args.tiers.split(","):
-            if name == "valkey":
-                rw, tw, rr, tr = bench_valkey(rows, args.threads, args.repeats, args.batch)
-            else:
-                rw, tw, rr, tr = bench_disk(rows, args.threads, args.repeats, odirect=name == "disk-odirect")
+            kind = name.removesuffix("-mac")
+            if name.endswith("-mac"):
+                os.environ[SECRET_ENV] = "benchmark secret"
+            try:
+                if kind == "valkey":
+                    rw, tw, rr, tr = bench_valkey(rows, args.threads, args.repeats, args.batch)
+                else:
+                    rw, tw, rr, tr = bench_disk(rows, args.threads, args.repeats, odirect=kind == "disk-odirect")
+            finally:
+                os.environ.pop(SECRET_ENV, None)
             print(f"{name:<13} {text:>7} {rw:>10.2f} {tw:>10.2f} {tw / rw:>6.0%} {rr:>9.2f} {tr:>9.2f} {tr / rr:>6.0%}")
 
 

@@ -8,9 +8,16 @@ Every job runs three times, on three engines over the same pool: with integrity 
 hash what they wrote, loads verify before reporting), with ``checksums=False`` (key tags only), and with
 checksums on the pure-Python CPU path (``native=False``: the copy loop before the native kernel, and what runs
 where it was not built).
+The three jobs run in a rotating order, and each starts at least 50 ms after the plain copy: torch's OpenMP
+workers keep spinning for about 10 ms after a ``copy_`` (measured here), which on a 2-core machine takes one of
+the two cores from whichever job runs next.
 Reported: best-of-repeats GB/s of both, of the plain copy, their ratio, and the checksum cost: the extra
 time of the checksummed job over the unchecked one, as a share of the plain copy of the same bytes (goal:
-at most 40% on CPU). Runs on CUDA when available (engine memory on the GPU, pinned host pool), else on CPU.
+at most 10% on CPU). Runs on CUDA when available (engine memory on the GPU, pinned host pool), else on CPU.
+
+The machine check hashes a cached buffer on one thread (how fast a core is), then on one and on as many threads
+as the engine copies with (how many of those cores this run gets: on a shared machine the copies' speed follows
+it; memory bandwidth taken by other tenants shows only in the ``copy_`` column).
 
     python benchmarks/transfer.py [--pages 32K,256K,2M] [--total-mib 256] [--layers 4] [--repeats 5]
 """
@@ -18,10 +25,12 @@ at most 40% on CPU). Runs on CUDA when available (engine memory on the GPU, pinn
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 from collections.abc import Callable
 from functools import partial
 
+import numpy as np
 import torch
 import xxhash
 
@@ -30,6 +39,8 @@ from kvoffload.offload.pool import HostPool, plan_host_pool
 from kvoffload.offload.worker.copy import CopyEngine, _native, build_transfer_layout
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_SETTLE_S = 0.05
+"""Pause after each plain copy so that torch's OpenMP workers have stopped spinning (about 10 ms here)."""
 
 
 def _parse_size(text: str) -> int:
@@ -116,7 +127,7 @@ def bench_page(
         CopyEngine(kv, layout, pool, cpu_threads=args.threads, checksums=False) as unchecked,
         CopyEngine(kv, layout, pool, cpu_threads=args.threads, native=False) as python_path,
     ):
-        job = 0
+        job = turn = 0
         for _ in range(args.repeats):
             # Each engine loads back the chunks it stored (a checksummed load needs a checksummed store).
             chunks = torch.randperm(plan.num_chunks)[: 3 * (job_blocks // bpc)].chunk(3)
@@ -126,8 +137,10 @@ def bench_page(
                 block_ids = torch.randperm(num_blocks)[:job_blocks]
                 src, dst = (engine_side, host_side) if is_store else (host_side, engine_side)
                 best[direction, "copy"] = min(best[direction, "copy"], _timed(partial(_plain_copy, dst, src), device))
-                contenders = (("on", checked, chunks[0]), ("off", unchecked, chunks[1]), ("py", python_path, chunks[2]))
-                for kind, engine, chunk_ids in contenders:
+                time.sleep(_SETTLE_S)
+                contenders = [("on", checked, chunks[0]), ("off", unchecked, chunks[1]), ("py", python_path, chunks[2])]
+                turn = (turn + 1) % len(contenders)
+                for kind, engine, chunk_ids in contenders[turn:] + contenders[:turn]:
                     job += 1
                     run = partial(_job, engine, job, is_store, block_ids, chunk_ids, tags)
                     best[direction, kind] = min(best[direction, kind], _timed(run, device))
@@ -148,8 +161,44 @@ def _cached_hash_gbps(size: int = 256 << 10, rounds: int = 2000) -> float:
     return size * rounds / best / 1e9
 
 
+def _cores_free(threads: int, size: int = 256 << 10, rounds: int = 2000) -> float | None:
+    """How many of ``threads`` cores this run gets: the native kernel hashes a cached buffer ``rounds`` times in
+    one GIL-free call per thread, on 1 and on ``threads`` threads (None without the kernel). Python threads
+    calling xxhash would hand the GIL over at every call and read low even on a quiet machine."""
+    kernel = _native.KERNEL
+    if kernel is None:
+        return None
+    data = np.frombuffer(bytes(range(256)) * (size // 256), dtype=np.uint8)
+    none = np.zeros(0, dtype=np.int64)
+    slots = (np.zeros(rounds, dtype=np.int64), np.full(rounds, size, dtype=np.int64), np.arange(rounds, dtype=np.int64))
+
+    def hash_rounds() -> None:
+        kernel.copy_hash((none, none, none, none), slots, size, data.ctypes.data, np.zeros(rounds, dtype=np.uint64))
+
+    def seconds(n: int) -> float:
+        best = float("inf")
+        for _ in range(3):
+            workers = [threading.Thread(target=hash_rounds) for _ in range(n)]
+            start = time.perf_counter()
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    return threads * seconds(1) / seconds(threads)
+
+
 def main() -> None:
     """Parse the arguments, run every page size and print the table."""
+    import sys
+
+    if "--device=cuda" in sys.argv or " --device cuda " in f" {' '.join(sys.argv)} ":
+        import transfer_cuda  # beside this script: the GPU <-> host benchmark (benchmarks/gpu/check.sh runs it)
+
+        transfer_cuda.main(sys.argv[1:])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pages", default="32K,256K,2M", help="comma-separated page sizes")
     parser.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement, MiB")
@@ -166,7 +215,8 @@ def main() -> None:
     kernel = _native.KERNEL
     print(f"native copy kernel: {kernel.path.name if kernel else 'not built'} (py path: native=False)")
     # hashing is compute-bound: on a shared machine its speed says how much CPU this run got
-    print(f"machine check: xxh3 of a cached 256 KiB buffer {_cached_hash_gbps():.1f} GB/s (one thread)")
+    threads = args.threads or min(4, max(1, torch.get_num_threads()))  # the engine's default
+    _machine_check("machine check", threads)
     print(
         f"{'page':>8} {'direction':>9} {'ours GB/s':>10} {'no-cksum GB/s':>14} {'py path GB/s':>13} "
         f"{'copy_ GB/s':>11} {'ratio':>6} {'vs py path':>11} {'checksum cost':>14}"
@@ -180,6 +230,15 @@ def main() -> None:
                 f"{text:>8} {direction:>9} {ours:10.2f} {bare:14.2f} {python_path:13.2f} {base:11.2f} "
                 f"{ours / base:6.2f} {ours / python_path:10.2f}x {cost:13.0%}"
             )
+    _machine_check("machine check after", threads)
+
+
+def _machine_check(title: str, threads: int) -> None:
+    free = _cores_free(threads)
+    print(
+        f"{title}: xxh3 of a cached 256 KiB buffer {_cached_hash_gbps():.1f} GB/s (one thread); "
+        + (f"{free:.1f} of {threads} cores free" if free is not None else "cores free: n/a (no kernel)")
+    )
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Builders shared by the tests: a plain OffloadingConfig and a TransferJob, with only what a test varies, and
-the scheduler's view of a KV cache config; an argv that starts a child with SIGINT's default disposition."""
+the scheduler's view of a KV cache config; an argv that starts a child with SIGINT and SIGTERM at default."""
 
 from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -114,18 +114,67 @@ def chained_hashes(tag: str, n: int) -> list[bytes]:
     return out
 
 
-_DEFAULT_SIGINT = (
-    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+_DEFAULT_SIGNALS = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "signal.signal(signal.SIGTERM, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
 )
 
 
 def with_default_sigint(argv: Sequence[str]) -> list[str]:
-    """``argv`` run with SIGINT at its default disposition, for a test that sends the child SIGINT.
+    """``argv`` run with SIGINT and SIGTERM at their default dispositions, for a test that sends the child one.
 
     A test run as a background job (``pytest ... &`` from a script) inherits SIGINT ignored, and an ignored
     disposition survives ``fork`` and ``exec`` (``Popen(restore_signals=True)`` restores only SIGPIPE, SIGXFZ
-    and SIGXFSZ), so the child would never see the Ctrl-C the test sends. This argv first runs a small Python
-    that resets SIGINT to ``SIG_DFL`` and then ``exec``s ``argv`` in the same process (same pid, so process
-    groups and ``/proc`` children are unchanged); no ``preexec_fn``, which is unsafe with threads.
+    and SIGXFSZ), so the child would never see the Ctrl-C the test sends (a runner may ignore SIGTERM too).
+    This argv first runs a small Python that resets both to ``SIG_DFL`` and then ``exec``s ``argv`` in the
+    same process (same pid, so process groups and ``/proc`` children are unchanged); no ``preexec_fn``, which
+    is unsafe with threads.
     """
-    return [sys.executable, "-c", _DEFAULT_SIGINT, *argv]
+    return [sys.executable, "-c", _DEFAULT_SIGNALS, *argv]
+
+
+with_default_signals = with_default_sigint
+
+
+def child_pids(pid: int, marker: bytes) -> set[int]:
+    """The live direct children of ``pid`` whose command line contains ``marker`` (``b"spawn_main"``: the
+    runtime's worker processes, not multiprocessing's resource tracker; ``b"valkey-server"``: an embedded
+    server)."""
+    from pathlib import Path
+
+    found = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
+            try:
+                if marker in Path(f"/proc/{child}/cmdline").read_bytes() and not process_gone(int(child)):
+                    found.add(int(child))
+            except OSError:
+                continue
+    return found
+
+
+def process_gone(pid: int) -> bool:
+    """Whether ``pid`` has ended (no such process, or a zombie its new parent has not reaped yet)."""
+    from pathlib import Path
+
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.01) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``timeout_s`` passes (False)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval_s)
+    return True

@@ -175,6 +175,7 @@ def _one_error_line(err: str, fragment: str) -> None:
             "--metrics-linger=nan must be a number of seconds in [0, ",
         ),
         (["--worker-timeout", "inf"], "--worker-timeout=inf must be a number of seconds in (0, 1000000000)"),
+        (["--start-timeout", "0"], "--start-timeout=0.0 must be a number of seconds in (0, 1000000000)"),
         # ZMQ bound port 99999 modulo 65536 (34463), where nobody listens
         (
             ["--kv-events", "tcp://127.0.0.1:99999"],
@@ -189,6 +190,7 @@ def _one_error_line(err: str, fragment: str) -> None:
         "linger-inf",
         "linger-nan",
         "timeout-inf",
+        "start-timeout-0",
         "port-99999",
         "port-0",
         "no-port",

@@ -1,4 +1,4 @@
-"""KV events over real ZMQ sockets: order, sequence numbers, gaps (injected and from a slow subscriber), errors."""
+"""KV events over real ZMQ sockets: order, sequence numbers, gaps (injected and from drops), errors."""
 
 from __future__ import annotations
 
@@ -112,25 +112,26 @@ def test_subscriber_reports_an_injected_gap_and_a_restart() -> None:
     assert sub.missed == 1 and sub.restarts == 1
 
 
-def test_slow_subscriber_never_blocks_the_publisher_and_drops_are_counted() -> None:
-    ctx = zmq.Context()
+def test_a_full_publisher_queue_never_blocks_publish_and_drops_are_counted_as_gaps() -> None:
+    # queue=1: publish() outruns the publisher's thread, so it drops (hands over at most 2 batches unsent)
+    pub, sub = KVEventPublisher("tcp://127.0.0.1:0", queue=1), None
     try:
-        pub = KVEventPublisher("inproc://kv-events-slow", hwm=4, context=ctx)
-        sub = KVEventSubscriber("inproc://kv-events-slow", context=ctx, hwm=4)
+        sub = KVEventSubscriber(pub.endpoint)
         assert pub.wait_for_subscriber(10.0)
         events = [BlockStored(block_hashes=(b"h",))]
-        outcomes = [pub.publish(events) for _ in range(200)]  # the subscriber reads nothing meanwhile
-        assert pub.dropped > 0 and pub.sent + pub.dropped == 200 and outcomes.count(False) == pub.dropped
+        outcomes = [pub.publish(events) for _ in range(2000)]
+        assert pub.dropped > 0 and pub.sent + pub.dropped == 2000 and outcomes.count(False) == pub.dropped
         seqs = []
         while (got := sub.recv(timeout_s=0.5)) is not None:
             seqs.append(got.batch.seq)
-        # every batch that was not dropped arrived, in order; the subscriber saw exactly the drops as gaps
-        assert seqs == sorted(seqs) and len(seqs) == pub.sent
+        # every batch handed over arrived, in order (the subscriber's own queue had room); the drops are its gaps
+        assert seqs == sorted(seqs) and len(seqs) == pub.sent and pub.undelivered == 0
         assert sub.missed + (pub.next_seq - 1 - seqs[-1]) + seqs[0] == pub.dropped
-        sub.close()
-        pub.close()
     finally:
-        ctx.term()
+        if sub is not None:
+            sub.close()
+        pub.close()
+    assert not pub.publish(events) and pub.dropped == 2000 - pub.sent + 1  # closed: dropped, counted
 
 
 def test_malformed_message_and_bad_endpoints() -> None:
@@ -157,5 +158,9 @@ def test_malformed_message_and_bad_endpoints() -> None:
         KVEventPublisher("tcp://256.0.0.1:1")
     with pytest.raises(ConfigError, match="hwm"):
         KVEventPublisher("tcp://127.0.0.1:0", hwm=0)
+    with pytest.raises(ConfigError, match="queue"):
+        KVEventPublisher("tcp://127.0.0.1:0", queue=0)
+    with pytest.raises(ConfigError, match="max_message_bytes"):
+        KVEventSubscriber("tcp://127.0.0.1:5557", max_message_bytes=0)
     with KVEventPublisher("tcp://127.0.0.1:0") as pub:
         assert not pub.publish([]) and pub.next_seq == 0

@@ -63,6 +63,7 @@ from kvoffload._generated import (
     WorkerReport,
     codecs,
 )
+from kvoffload._lazy import lazy_getattr as _lazy_getattr
 from kvoffload._packed import (
     Int32Array,
     Int32Bytes,
@@ -143,16 +144,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    """Load the torch-backed public names on first use."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvoffload' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = _lazy_getattr(__name__, _LAZY, globals())
 
 
 __version__ = "0.1.0"

@@ -9,16 +9,18 @@ Subcommands (one ``_add_<name>`` parser builder and one ``_run_<name>`` handler 
 * ``kvoffload schema [--json-schema | --version]`` prints the JSON Schema of an engine snapshot, or the schema
   version and fingerprint.
 * ``kvoffload demo [--workers N] [--requests N] [--cpu-bytes SIZE] [--policy lru|arc] [--snapshot FILE [--shrink]]
-  [--worker-timeout SECONDS]`` runs the verified multi-process offloading demo (the main job); it exits 1 when
-  any reloaded block mismatches or a worker dies (with the worker's own error). ``--shrink`` reduces a
-  real-size snapshot's engine blocks and host pool to fit this machine and prints what it changed.
+  [--worker-timeout SECONDS] [--start-timeout SECONDS]`` runs the verified multi-process offloading demo (the
+  main job); it exits 1 when any reloaded block mismatches or a worker dies (with the worker's own error).
+  ``--shrink`` reduces a real-size snapshot's engine blocks and host pool to fit this machine and prints what
+  it changed.
   ``--metrics-port N`` serves Prometheus ``/metrics`` while it runs, ``--explain-misses`` prints why lookups
   missed, ``--kv-events tcp://HOST:PORT`` publishes the pool's KV events (``tcp://HOST:*``: any free port; the
   bound endpoint is printed).
 
 Invalid input (usage errors and out-of-range flags included: every numeric flag has a bound, checked before
 anything runs), unrunnable snapshots and translator rejections exit with status 2 and one ``error: …`` line on
-stderr (no traceback); Ctrl-C exits with 130 and one line, after the demo's workers are stopped.
+stderr (no traceback); Ctrl-C exits with 130 and SIGTERM with 143, each with one line, after the same orderly
+stop (the demo's workers and embedded servers stopped, its files removed).
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import msgspec
@@ -56,6 +60,7 @@ EXIT_OK = 0
 EXIT_INVALID = 2
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -66,13 +71,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler: Handler = args.handler
     try:
-        return handler(args)
+        with _sigterm_unwinds():
+            return handler(args)
     except ConfigError as err:
         _error(describe_error(err))
         return EXIT_INVALID
     except KVOffloadError as err:
         _error(f"{type(err).__name__}: {err}")
         return EXIT_FAILED
+    except _Terminated:
+        _error("stopped by SIGTERM")  # the same orderly stop as Ctrl-C; 128 + SIGTERM
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         # Ctrl-C: the handlers' own cleanup (workers, shared memory) has run on the way out; one line, 128 + SIGINT.
         _error("interrupted")
@@ -82,6 +91,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_OK
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM (how a service manager stops a program), raised in the main thread: it unwinds like Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """While the command runs, the first SIGTERM raises :class:`_Terminated` (later ones do not interrupt the
+    stop it started); the previous handler is restored after. Signal handlers belong to the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired = False
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        nonlocal fired
+        if not fired:
+            fired = True
+            raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -151,6 +186,14 @@ def _add_demo(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         help="give up a worker that sends no heartbeat for this long: stopped or frozen (default 10)",
     )
     p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="give up workers that have not completed their start-up by then (default 120; a worker stopped "
+        "while starting is given up after --worker-timeout)",
+    )
+    p.add_argument(
         "--tier",
         action="append",
         default=[],
@@ -181,6 +224,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     check_int("--conversations", args.conversations, 1, MAX_CONVERSATIONS, value_first=True)
     if args.worker_timeout is not None:
         check_seconds("--worker-timeout", args.worker_timeout, zero=False)
+    if args.start_timeout is not None:
+        check_seconds("--start-timeout", args.start_timeout, zero=False)
     check_seconds("--metrics-linger", args.metrics_linger, zero=True)
     endpoint = None if args.kv_events is None else events_endpoint(args.kv_events)
     if args.snapshot is None:
@@ -214,7 +259,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     snapshot = snapshot_with_overrides(snapshot, cpu_bytes=args.cpu_bytes, policy=args.policy)
     with contextlib.ExitStack() as stack:
         kwargs = _demo_observability(args, endpoint, stack)
-        result = run_demo(snapshot, options, progress=not args.no_progress, **kwargs)
+        result = run_demo(
+            snapshot, options, progress=not args.no_progress, start_timeout_s=args.start_timeout, **kwargs
+        )
         print(render_result(result), end="")
         if args.explain_misses:
             from kvoffload.demo import render_misses
@@ -224,8 +271,12 @@ def _run_demo(args: argparse.Namespace) -> int:
             print(f"kv events: {result.events_published} batches published, {result.events_dropped} dropped")
         if args.metrics_port is not None and args.metrics_linger > 0:
             sys.stdout.flush()
-            with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C ends the lingering, not the run
+            try:
                 time.sleep(args.metrics_linger)
+            except _Terminated:
+                raise
+            except KeyboardInterrupt:
+                pass  # Ctrl-C ends the lingering, not the run
     if not result.ok:
         _error(
             f"verification failed: {len(result.mismatched_blocks)} mismatched blocks, {result.failed_jobs} "

@@ -11,16 +11,24 @@ so the format is versioned like every kvoffload wire message (``kvoffload.wire``
 minor version decodes through the compatible path). ``KVEventBatch.seq`` counts batches per publisher from 0
 and ``engine_id`` names the publisher: a jump in ``seq`` tells a subscriber it missed batches.
 
-The publisher never blocks the engine: it is an XPUB socket with ``XPUB_NODROP`` and a send high-water mark,
-sending without blocking, so a batch a slow subscriber cannot take is dropped and counted (its sequence number
-is used anyway, so the subscriber sees the gap).
+Any ZMQ ``SUB`` / ``XSUB`` socket subscribes, over ``tcp://`` or ``ipc://``. No peer can block or grow the
+publisher: ``publish()`` hands the batch to the publisher's thread, which gives each subscriber its own queue and
+reads what peers send, speaking ZMTP 3.0 (NULL mechanism) on a ZMQ ``STREAM`` socket (an XPUB socket keeps every
+subscription any peer sends and allocates any frame size a peer announces); it disconnects a peer that breaks
+the protocol or a bound (frame size, subscriptions, bytes sent, handshake time, peers connected).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import logging
+import os
+import re
+import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -33,19 +41,130 @@ __all__ = ["DEFAULT_TOPIC", "KVEventPublisher", "KVEventSubscriber", "ReceivedBa
 
 DEFAULT_TOPIC = b"kvoffload.events"
 """Topic frame of every published batch."""
+MAX_INBOUND_BYTES = 1024  # the largest frame a publisher takes from a peer (or its topic's length + 64)
+MAX_SUBSCRIPTIONS = 64  # default bound on the subscriptions one peer holds
+MAX_PEERS = 1024  # connections a publisher keeps at once; more are closed as they arrive
+HANDSHAKE_S = 10.0  # seconds a peer has to complete its ZMTP handshake
+SUBSCRIBER_MESSAGE_BYTES = 64 << 20  # default bound on a frame a KVEventSubscriber accepts
+
+_TURN = 256  # batches forwarded, or peer messages read, per turn of the publisher's loop: neither starves
+_INBOUND_HWM = 16  # chunks (up to 8 KiB each) queued per peer before ZMQ stops reading it
+_RATE_BYTES, _BURST_BYTES = 4096, 64 << 10  # what a peer may send per second, and at once
+_queue_ids = itertools.count()
+_log = logging.getLogger(__name__)
 
 
-def _check_endpoint(endpoint: str) -> str:
+def _check_endpoint(endpoint: str, *, bind: bool) -> str:
+    """``endpoint`` if it is a ZMQ endpoint; a tcp one needs a port in 1..65535 (0 or * too, to bind any free)."""
     if not isinstance(endpoint, str) or "://" not in endpoint:
         raise ConfigError(f"KV events endpoint must be a ZMQ endpoint like 'tcp://127.0.0.1:5557', got {endpoint!r}")
+    transport, _, address = endpoint.partition("://")
+    if bind and transport not in ("tcp", "ipc"):
+        raise ConfigError(f"KV events endpoint {endpoint!r}: a publisher binds tcp:// or ipc://")
+    port, low = address.rpartition(":")[2], (0 if bind else 1)  # [source;]host:port, host maybe [IPv6]
+    valid = (bind and port == "*") or (port.isascii() and port.isdigit() and low <= int(port) < 65536)
+    if transport == "tcp" and not valid:
+        free = ", or 0 or * for any free one" if bind else ""
+        raise ConfigError(f"KV events endpoint {endpoint!r}: the port must be from 1 to 65535{free}, got {port!r}")
     return endpoint
 
 
-class KVEventPublisher:
-    """Publishes KV event batches on a bound ZMQ XPUB socket (see module docstring).
+# ZMTP 3.0 (rfc.zeromq.org/spec/23), NULL mechanism: what a ZMQ SUB socket speaks to a PUB socket.
+def _frame(data: bytes, flags: int = 0) -> bytes:
+    """One ZMTP frame: flags (1 more, 2 long, 4 command), a 1- or 8-byte size, the body."""
+    if len(data) > 255:
+        return bytes([flags | 2]) + len(data).to_bytes(8, "big") + data
+    return bytes([flags, len(data)]) + data
 
-    ``endpoint`` is bound (``tcp://127.0.0.1:0`` picks a free port: read :attr:`endpoint`); ``hwm`` is the number
-    of batches queued per subscriber before new ones are dropped.
+
+_GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x01" + bytes(31)
+_READY = _frame(b"\x05READY\x0bSocket-Type\x00\x00\x00\x03PUB", 4)  # a command: name, then metadata
+_SUB_TYPE = re.compile(rb"\x0bsocket-type\x00\x00\x00(?:\x03SUB|\x04XSUB)", re.IGNORECASE)  # in a peer's READY
+
+
+@dataclass(eq=False)
+class _Peer:
+    """One connection's ZMTP state: bytes not parsed yet, its handshake, its subscriptions."""
+
+    limits: tuple[bytes, int, int]  # our topic, the largest frame taken, max_subscriptions
+    since: float = field(default_factory=time.monotonic)
+    at: float = field(default_factory=time.monotonic)  # when it last sent
+    budget: float = _BURST_BYTES  # bytes it may send now (a token bucket)
+    buf: bytearray = field(default_factory=bytearray)
+    greeted: bool = False
+    ready: bool = False
+    topics: set[bytes] = field(default_factory=set)  # its subscriptions that match our topic
+    others: int = 0  # its other subscriptions, only counted
+    closing: bool = False  # dropped, but its connection is not closed yet
+
+    def feed(self, data: bytes) -> bytes:
+        """Take bytes the peer sent; return what to answer. A :class:`WireError` means: disconnect it."""
+        now, buf, out = time.monotonic(), self.buf, b""
+        self.budget = min(_BURST_BYTES, self.budget + (now - self.at) * _RATE_BYTES) - len(data)
+        if self.budget < 0:
+            raise WireError(f"sending over {_RATE_BYTES} bytes/s (a subscriber sends a few bytes)")
+        self.at = now
+        buf.extend(data)
+        if not self.greeted:
+            if buf[0] != 0xFF or (len(buf) >= 10 and not buf[9] & 1):
+                raise WireError("not a ZMTP peer")
+            if len(buf) < 64:
+                return out
+            if buf[10] < 3 or bytes(buf[12:32]).rstrip(b"\x00") != b"NULL":
+                raise WireError("not a ZMTP 3 peer with the NULL mechanism")
+            del buf[:64]
+            self.greeted, out = True, _READY
+        while len(buf) >= 2:
+            flags, head = buf[0], 9 if buf[0] & 2 else 2
+            if flags & ~0x07:
+                raise WireError(f"bad frame flags {flags:#x}")
+            size = int.from_bytes(buf[1:head], "big") if len(buf) >= head else 0
+            if size > self.limits[1]:
+                raise WireError(f"a {size}-byte frame exceeds the {self.limits[1]}-byte bound")
+            if len(buf) < head + size:
+                break
+            body = bytes(buf[head : head + size])
+            del buf[: head + size]
+            if flags & 4:
+                out += self._command(body)
+            elif not self.ready:
+                raise WireError("a message before READY")
+            elif body[:1] in (b"\x00", b"\x01"):
+                self._subscribe(body[:1] == b"\x01", body[1:])
+        return out
+
+    def _command(self, body: bytes) -> bytes:
+        name = body[1 : 1 + body[0]] if body else b""
+        rest = body[1 + len(name) :]
+        if not self.ready:
+            if name != b"READY" or not _SUB_TYPE.search(rest):
+                raise WireError("a READY command from a SUB or XSUB socket was expected")
+            self.ready = True
+        elif name == b"PING":  # a heartbeat: answered with its context
+            return _frame(b"\x04PONG" + rest[2:18], 4)
+        elif name in (b"SUBSCRIBE", b"CANCEL"):  # as ZMTP 3.1 peers send them
+            self._subscribe(name == b"SUBSCRIBE", rest)
+        return b""
+
+    def _subscribe(self, on: bool, prefix: bytes) -> None:
+        topic, _, max_subscriptions = self.limits
+        if topic.startswith(prefix):
+            (self.topics.add if on else self.topics.discard)(prefix)
+        else:
+            self.others = max(0, self.others + (1 if on else -1))
+        if len(self.topics) + self.others > max_subscriptions:
+            raise WireError(f"more than max_subscriptions={max_subscriptions} subscriptions")
+
+
+class KVEventPublisher:
+    """Publishes KV event batches to ZMQ subscribers from a thread of its own (see the module docstring).
+
+    ``endpoint`` is bound (``tcp://127.0.0.1:0`` picks a free port: read :attr:`endpoint`). ``queue`` batches may
+    wait for the publisher's thread and ``hwm`` for each subscriber before new ones are dropped;
+    ``max_subscriptions`` bounds the subscriptions one peer may hold. One thread publishes. Counted: ``sent``
+    (batches handed to the thread), ``dropped`` (its queue was full, or it was closed), ``undelivered`` (batches
+    one subscriber missed, its queue full: it sees the gap), ``peers_dropped`` (connections closed for breaking
+    the protocol or a bound); ``subscribers`` is the number of connected subscribers to the topic.
     """
 
     def __init__(
@@ -55,33 +174,44 @@ class KVEventPublisher:
         engine_id: str = wire.DEFAULT_ENGINE_ID,
         topic: bytes = DEFAULT_TOPIC,
         hwm: int = 10_000,
+        queue: int = 10_000,
+        max_subscriptions: int = MAX_SUBSCRIPTIONS,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
     ) -> None:
-        _check_endpoint(endpoint)
-        check_int("hwm", hwm, 1)
+        _check_endpoint(endpoint, bind=True)
+        for name, value in (("hwm", hwm), ("queue", queue), ("max_subscriptions", max_subscriptions)):
+            check_int(name, value, 1)
         if not isinstance(topic, bytes):
             raise ConfigError(f"topic must be bytes, got {topic!r}")
-        self.engine_id = engine_id
-        self.topic = topic
-        self._ctx = context or zmq.Context.instance()
-        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.XPUB)
-        self._sock.setsockopt(zmq.XPUB_NODROP, 1)
-        self._sock.setsockopt(zmq.SNDHWM, hwm)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self.engine_id, self.topic = engine_id, topic
+        self._limits = (topic, max(MAX_INBOUND_BYTES, len(topic) + 64), max_subscriptions)
+        ctx = context or zmq.Context.instance()
+        self._stream, self._pull, self._push = (ctx.socket(t) for t in (zmq.STREAM, zmq.PULL, zmq.PUSH))
+        for sock, high_water in ((self._stream, hwm), (self._pull, queue), (self._push, queue)):
+            sock.set_hwm(high_water)  # SNDHWM and RCVHWM
+            sock.setsockopt(zmq.LINGER, 0)
+        self._stream.setsockopt(zmq.RCVHWM, _INBOUND_HWM)
         try:
-            self._sock.bind(endpoint)
+            self._stream.bind(endpoint)
         except zmq.ZMQError as exc:
-            self._sock.close(0)
+            for sock in (self._stream, self._pull, self._push):
+                sock.close(0)
             raise ConfigError(f"cannot bind KV events endpoint {endpoint!r}: {exc}") from None
-        last = self._sock.getsockopt(zmq.LAST_ENDPOINT)
-        self.endpoint = last.decode() if isinstance(last, bytes) else str(last)
-        self._seq = 0
-        self.subscriptions = 0
-        """Subscriptions seen so far (minus unsubscriptions): how many subscribers listen, as far as XPUB tells."""
-        self.sent = 0
-        """Batches handed to ZMQ."""
-        self.dropped = 0
-        """Batches dropped because a subscriber's queue was full."""
+        self._endpoint = self._stream.getsockopt_string(zmq.LAST_ENDPOINT)
+        address = f"inproc://kvoffload-events-{os.getpid()}-{next(_queue_ids)}"
+        self._pull.bind(address)
+        self._push.connect(address)
+        self._seq, self._closed, self._broken = 0, False, False  # _broken: the thread ended on an error
+        self._peers: dict[bytes, _Peer] = {}  # by ZMQ routing id
+        self._changed = threading.Condition()
+        self.subscribers = self.sent = self.dropped = self.undelivered = self.peers_dropped = 0
+        self._thread = threading.Thread(target=self._run, name="kvoffload-kv-events", daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        """The bound endpoint, its port resolved (``tcp://127.0.0.1:41234`` after asking for port 0)."""
+        return self._endpoint
 
     @property
     def next_seq(self) -> int:
@@ -89,58 +219,133 @@ class KVEventPublisher:
         return self._seq
 
     def publish(self, events: Sequence[KVEvent]) -> bool:
-        """Publish ``events`` as one batch without blocking; False when it was dropped (or ``events`` is empty).
-
-        An empty list publishes nothing and uses no sequence number.
-        """
+        """Publish ``events`` as one batch, never blocking; False when dropped (its seq makes a gap) or empty."""
         if not events:
             return False
         batch = KVEventBatch(ts=time.time(), events=tuple(events), seq=self._seq, engine_id=self.engine_id)
         self._seq += 1
-        frame = wire.encode(batch)[0]
         try:
-            self._sock.send_multipart([self.topic, frame], flags=zmq.NOBLOCK, copy=False)
+            if self._closed or self._broken:
+                raise zmq.Again
+            self._push.send(wire.encode(batch)[0], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self.dropped += 1
             return False
         self.sent += 1
-        self._drain_subscriptions()
         return True
-
-    def _drain_subscriptions(self, timeout_ms: int = 0) -> None:
-        """Read the (un)subscribe messages XPUB queues for us (first byte 1 / 0), so they never pile up."""
-        sock = self._sock
-        while sock.poll(timeout_ms, zmq.POLLIN):
-            message = sock.recv(zmq.NOBLOCK)
-            if message[:1] == b"\x01":
-                self.subscriptions += 1
-            elif message[:1] == b"\x00":
-                self.subscriptions -= 1
-            timeout_ms = 0
 
     def wait_for_subscriber(self, timeout_s: float) -> bool:
-        """Wait until at least one subscriber has subscribed (True), or ``timeout_s`` passed (False).
-
-        A ZMQ subscriber that just connected misses what is published before its subscription arrives; an
-        application that must not lose the first batches waits here first.
-        """
-        deadline = time.monotonic() + timeout_s
-        while self.subscriptions <= 0:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            self._drain_subscriptions(max(1, int(left * 1000)))
-        return True
+        """True once a subscriber to our topic is connected (it misses what came before), False after ``timeout_s``."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.subscribers > 0, max(0.0, timeout_s))
 
     def close(self) -> None:
-        """Close the socket (undelivered batches are discarded: events are best effort)."""
-        self._sock.close(0)
+        """Stop the thread and close the sockets (undelivered batches are discarded: events are best effort)."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(zmq.ZMQError):  # a full queue: the thread sees _closed within a poll
+            self._push.send(b"", flags=zmq.NOBLOCK)  # wakes the thread up, behind the batches handed over
+        self._thread.join(5.0)
+        self._push.close(0)
 
     def __enter__(self) -> KVEventPublisher:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _run(self) -> None:
+        """The publisher's thread, the only user of the STREAM and PULL sockets."""
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._stream, zmq.POLLIN)
+        swept = time.monotonic()
+        try:
+            while not self._closed or self._pull.poll(0):
+                ready = dict(poller.poll(100))
+                if self._stream in ready:
+                    self._read_peers()
+                if self._pull in ready and not self._forward():
+                    break
+                if time.monotonic() - swept > 1.0:
+                    swept = time.monotonic()
+                    for peer_id, peer in list(self._peers.items()):
+                        if peer.closing or (not peer.ready and swept - peer.since > HANDSHAKE_S):
+                            self._drop(peer_id, "no ZMTP handshake")
+        except zmq.ZMQError as exc:  # the context was terminated
+            self._broken = True
+            _log.error("KV events publisher on %s stopped: %s", self._endpoint, exc)
+        finally:
+            self._stream.close(0)
+            self._pull.close(0)
+
+    def _forward(self) -> bool:
+        """Send (one turn of) the batches handed over to every subscriber; False at close()'s empty frame."""
+        for _ in range(_TURN):
+            try:
+                frame = self._pull.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return True
+            if len(frame) == 0:
+                return False
+            payload = _frame(self.topic, 1) + _frame(frame.bytes)
+            for peer_id, peer in self._peers.items():
+                if peer.ready and peer.topics:
+                    try:
+                        self._stream.send_multipart([peer_id, payload], flags=zmq.NOBLOCK, copy=False)
+                    except zmq.ZMQError as exc:  # full: only this subscriber misses the batch (or it is gone)
+                        self.undelivered += isinstance(exc, zmq.Again)
+        return True
+
+    def _read_peers(self) -> None:
+        """Handle (one turn of) connections, disconnections and what peers sent."""
+        for _ in range(_TURN):
+            try:
+                peer_id, data = self._stream.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            peer = self._peers.get(peer_id)
+            if peer is None and not data:  # a new connection
+                self._peers[peer_id] = _Peer(self._limits)
+                if len(self._peers) > MAX_PEERS:
+                    self._drop(peer_id, f"more than {MAX_PEERS} connections")
+                else:
+                    self._send(peer_id, _GREETING)
+            elif peer is not None and not data:  # it disconnected
+                del self._peers[peer_id]
+            elif peer is not None and not peer.closing:
+                try:
+                    reply = peer.feed(data)
+                except WireError as exc:  # it broke the protocol or a bound
+                    self._drop(peer_id, str(exc))
+                    continue
+                if reply:
+                    self._send(peer_id, reply)
+        subscribers = sum(1 for p in self._peers.values() if p.ready and p.topics)
+        if subscribers != self.subscribers:
+            with self._changed:
+                self.subscribers = subscribers
+                self._changed.notify_all()
+
+    def _send(self, peer_id: bytes, data: bytes) -> None:  # handshake bytes: never refused for a full queue
+        with contextlib.suppress(zmq.ZMQError):  # it is gone
+            self._stream.send_multipart([peer_id, data], flags=zmq.NOBLOCK)
+
+    def _drop(self, peer_id: bytes, why: str) -> None:
+        """Close a connection (an empty frame); a full queue refuses it: it gets no batch, the sweep tries again."""
+        peer = self._peers[peer_id]
+        if not peer.closing:
+            self.peers_dropped += 1
+            _log.debug("KV events on %s: disconnecting a peer: %s", self._endpoint, why)
+        peer.closing, peer.topics = True, set()
+        try:
+            self._stream.send_multipart([peer_id, b""], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        except zmq.ZMQError:
+            pass  # gone already
+        del self._peers[peer_id]
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +379,8 @@ class KVEventSubscriber:
     """Connects a ZMQ SUB socket to a publisher, decodes batches with the generated codec and reports gaps.
 
     Sequence numbers are tracked per ``engine_id``; a number lower than expected means the publisher restarted
-    (counted in :attr:`restarts`, not a gap). The first batch seen from a publisher starts its count.
+    (counted in :attr:`restarts`, not a gap). The first batch seen from a publisher starts its count. A frame
+    over ``max_message_bytes`` makes ZMQ drop the connection (it reconnects; the batch shows as a gap).
     """
 
     def __init__(
@@ -184,12 +390,14 @@ class KVEventSubscriber:
         topic: bytes = DEFAULT_TOPIC,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,
         hwm: int = 100_000,
+        max_message_bytes: int = SUBSCRIBER_MESSAGE_BYTES,
     ) -> None:
-        _check_endpoint(endpoint)
+        _check_endpoint(endpoint, bind=False)
+        check_int("hwm", hwm, 1), check_int("max_message_bytes", max_message_bytes, 1)
         self._ctx = context or zmq.Context.instance()
         self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
-        self._sock.setsockopt(zmq.RCVHWM, hwm)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        for option, value in ((zmq.RCVHWM, hwm), (zmq.MAXMSGSIZE, max_message_bytes), (zmq.LINGER, 0)):
+            self._sock.setsockopt(option, value)
         self._sock.setsockopt(zmq.SUBSCRIBE, topic)
         try:
             self._sock.connect(endpoint)
@@ -199,8 +407,7 @@ class KVEventSubscriber:
         self._next: dict[str, int] = {}
         self.gaps: list[SequenceGap] = []
         """Every gap seen, in order."""
-        self.restarts = 0
-        self.received = 0
+        self.restarts = self.received = 0
 
     @property
     def missed(self) -> int:

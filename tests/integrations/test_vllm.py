@@ -296,3 +296,78 @@ def test_disk_tier_serves_a_new_engine_after_restart(
     assert second["cached"][0] > 0, "the first prompt of the new engine was not served from disk"
     assert second["stats"]["tokens_loaded"] > 0
     assert second["stats"]["failed_jobs"] == 0
+
+
+def _descendants(pid: int) -> set[int]:
+    import psutil
+
+    try:
+        return {child.pid for child in psutil.Process(pid).children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _alive(pids: set[int]) -> set[int]:
+    import psutil
+
+    return {p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_an_engine_killed_with_tiers_leaves_nothing_of_kvoffload_behind(
+    tiny_model: Path, tmp_path: Path, sig: str
+) -> None:
+    """The default multi-process engine with a disk and a Valkey tier, stopped (SIGTERM) or killed (SIGKILL) while
+    it serves, as a service manager stops it (the signal goes to the whole process group: vLLM's offline engine
+    leaves its engine-core process running when only its parent is signalled, which is vLLM's behaviour): every
+    process ends, no shared-memory file or reservation is left, and the disk tier's half-written records are gone
+    once a tier opens the directory again."""
+    import contextlib
+    import signal
+    import time
+
+    from kvoffload.offload.pool._reservations import LEDGER_NAME
+    from kvoffload.tiers import FsTier, Namespace
+    from tests.helpers import with_default_signals
+    from tests.tiers.conftest import server_url, start_server, stop_server
+
+    server = start_server(tmp_path / "valkey")
+    shm_before = set(Path("/dev/shm").glob("kvoffload*"))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING")
+    env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "KVO_TEST_VALKEY_URL": server_url(server)}
+    argv = [sys.executable, str(SCENARIOS), "serve-until-killed", str(tiny_model), str(tmp_path / "out")]
+    proc = subprocess.Popen(
+        with_default_signals(argv), stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True
+    )
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 300
+        line = ""
+        while time.monotonic() < deadline and not line.startswith("READY"):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "the engine exited before serving"
+        assert line.startswith("READY"), "the engine never served its first prompts"
+        time.sleep(1.0)  # stores and cascades of the busy loop are in flight
+        family = _descendants(proc.pid) | {proc.pid}
+        os.killpg(proc.pid, getattr(signal, sig))
+        proc.wait(60)
+        deadline = time.monotonic() + 30
+        while _alive(family) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(family), f"processes of the engine outlived it: {sorted(_alive(family))}"
+        assert set(Path("/dev/shm").glob("kvoffload*")) <= shm_before, "a shared-memory file was left behind"
+        assert not (Path("/dev/shm") / LEDGER_NAME).exists() or LEDGER_NAME in {p.name for p in shm_before}
+        disk = tmp_path / "out" / "disk"
+        assert any(disk.rglob("*.bin")), "the engine wrote no records before it was stopped"
+        for ns_dir in [d for d in disk.iterdir() if d.is_dir()]:
+            fields = (ns_dir / "namespace.json").read_text().strip()
+            label, digest = ns_dir.name.rsplit("_", 1)
+            ns = Namespace(label=label, digest=digest, fields_json=fields, row_bytes=json.loads(fields)["row_bytes"])
+            with FsTier(disk, ns) as reopened:  # the next instance of a namespace sweeps a dead writer's files
+                assert len(reopened) > 0
+            assert not list(ns_dir.rglob(".tmp-*")), "temporary files of a dead writer were not swept"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        stop_server(server)

@@ -195,6 +195,28 @@ def tiers(model: str, out: Path, phase: str) -> dict[str, Any]:
     return result
 
 
+def serve_until_killed(model: str, out: Path) -> dict[str, Any]:
+    """vLLM's default multi-process engine with a disk and a Valkey tier, kept busy until the test kills it.
+
+    Prints ``READY`` once the first prompts were served (their stores and cascades then run while it keeps
+    generating); never returns on its own.
+    """
+    from vllm import LLM
+
+    tiers = [
+        {"type": "fs", "root_dir": str(out / "disk"), "n_read_threads": 2, "n_write_threads": 2},
+        {"type": "valkey", "url": os.environ["KVO_TEST_VALKEY_URL"]},
+    ]
+    extra = {"spec_name": "TieringOffloadingSpec", "secondary_tiers": tiers}
+    llm = LLM(model=model, kv_transfer_config=connector_config(extra), **ENGINE_KW)
+    one_by_one(llm, prompts())
+    print(f"READY {os.getpid()}", flush=True)
+    i = 0
+    while True:
+        i += 1
+        generate(llm, [f"{SYSTEM} busy {i}"], max_tokens=4)
+
+
 def sliding_window(model: str, out: Path) -> dict[str, Any]:
     """A sliding-window model: the host serves the chunks of the window the request needs."""
     from vllm import LLM
@@ -244,6 +266,8 @@ def main() -> None:
         result = sliding_window(model, out_dir)
     elif scenario == "misspelled":
         result = misspelled(model, out_dir)
+    elif scenario == "serve-until-killed":
+        result = serve_until_killed(model, out_dir)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     print("RESULT " + json.dumps(result), flush=True)

@@ -419,11 +419,6 @@ def _run_indexed(kv: torch.Tensor, host: torch.Tensor, runs: CopyRuns, is_store:
     cuda._indexed_transfer(kv, host, runs, is_store)
 
 
-def test_element_index() -> None:
-    index = cuda._element_index(torch.tensor([10, 3, 7]), torch.tensor([2, 0, 3]), 5)
-    assert index.tolist() == [10, 11, 7, 8, 9]
-
-
 def test_cpu_work_splits_long_runs_evenly() -> None:
     piece = cpu._PIECE_BYTES
     runs = CopyRuns(
@@ -781,6 +776,7 @@ def test_shared_region_keeps_each_ranks_slot() -> None:
 # -- CUDA (extra; skipped without a GPU) ---------------------------------------------------------------
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["layer_major", "block_major"])
 def test_cuda_round_trip(kind: str) -> None:
@@ -788,6 +784,6 @@ def test_cuda_round_trip(kind: str) -> None:
     engine = layer_major(groups, 40) if kind == "layer_major" else block_major(groups, 40)
     layout = make_layout(engine)
     with make_pool(layout.worker_kv_bytes_per_block, bpc=3, num_chunks=16) as pool:
-        assert pool.is_pinned
+        assert pool.wait_pinned(timeout=60)
         kv = random_bytes(engine.size, seed=11).cuda()
         _round_trip(engine, layout, pool, kv, seed=11)

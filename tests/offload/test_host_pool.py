@@ -135,7 +135,7 @@ def test_private_pool_holds_only_this_workers_slot() -> None:
         assert int(pool.rows.count_nonzero()) == 0
         assert pool.slot_rows().data_ptr() == pool.rows.data_ptr()
         assert pool.rows_int64().shape == (81, 375)
-        assert pool.is_pinned == torch.cuda.is_available()
+        assert pool.wait_pinned(timeout=60) == torch.cuda.is_available()
         assert pool.writes
         with pytest.raises(ConfigError, match="rank=1: a private pool holds only rank 2's slot"):
             pool.slot_rows(1)

@@ -99,3 +99,28 @@ def test_fast_stores_never_drop(latencies: list[float]) -> None:
     for s in latencies:
         det.record(MiB, s * 0.0019)  # always under the low water mark
     assert not det.under_pressure and not det.should_drop()
+
+
+def test_a_failure_ends_the_healthy_streak() -> None:
+    """Three failures after a long run of fast stores force pressure, and it holds: the healthy fast path needs
+    consecutive fast completions, which the failures interrupted."""
+    det, clock = _detector(failure_threshold=3)
+    for _ in range(25):
+        det.record(MiB, 0.001)  # 0.001 s/MiB: below low water
+        clock.t += 0.01
+    for _ in range(3):
+        det.record(MiB, 0.0, success=False)
+    assert det.under_pressure
+    clock.t += 0.001  # the next decision comes a moment later (the idle decay re-evaluates pressure)
+    assert det.should_drop() and det.under_pressure, "pressure must not clear at the next decision"
+
+
+def test_reset_forgets_everything() -> None:
+    det, _clock = _detector(failure_threshold=1)
+    det.record(MiB, 0.0, success=False)
+    assert det.under_pressure and det.should_drop()
+    det.reset()
+    assert not det.under_pressure and det.ema is None and det.dropped_stores == 0 and not det.should_drop()
+    for _ in range(3):
+        det.record(MiB, 0.001)  # a fresh warm-up
+    assert det.ema == pytest.approx(0.001) and not det.under_pressure

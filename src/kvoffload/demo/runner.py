@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 from kvoffload._generated import EngineSnapshot, OffloadingConfig
 from kvoffload.demo.engine import DemoEngine
 from kvoffload.demo.report import DemoResult
-from kvoffload.demo.worker_hook import HOOK, memcpy_gbps_of
+from kvoffload.demo.worker_hook import HOOK, checksum_cost_of, memcpy_gbps_of
 from kvoffload.demo.workload import DEFAULT_OPTIONS, DemoOptions, check_options, check_workload_fits
 from kvoffload.errors import DeadlineError, HostMemoryError
 from kvoffload.offload.pool import available_host_memory_bytes, plan_host_pool_from_config
-from kvoffload.runtime.cluster import WorkerCluster
+from kvoffload.runtime.cluster import DEFAULT_START_TIMEOUT_S, WorkerCluster
 from kvoffload.tiers import EmbeddedValkey, Tiering, start_embedded_servers
 from kvoffload.translate import translate_snapshot, validate_runnable
 
@@ -43,6 +43,7 @@ def run_demo(
     metrics: SchedulerMetrics | None = None,
     metrics_dir: str | None = None,
     events: KVEventPublisher | None = None,
+    start_timeout_s: float | None = None,
 ) -> DemoResult:
     """Run the demo workload on ``snapshot`` with one worker process per rank; returns what it measured.
 
@@ -51,6 +52,7 @@ def run_demo(
     memory (real-size snapshots need a real-size machine).
     ``metrics`` is updated after every step; workers record their transfer metrics under ``metrics_dir``
     (prometheus_client multiprocess mode); ``events`` publishes the pool's KV events after every step.
+    ``start_timeout_s`` bounds the workers' start-up (default the cluster's, 120 s).
     """
     check_options(options)
     config = translate_snapshot(snapshot)
@@ -62,7 +64,8 @@ def run_demo(
         servers.extend(embedded)
         options = dataclasses.replace(options, tiering=tiering)
     try:
-        return _run(snapshot, options, progress, max_steps, metrics, metrics_dir, events)
+        start = DEFAULT_START_TIMEOUT_S if start_timeout_s is None else start_timeout_s
+        return _run(snapshot, options, progress, max_steps, metrics, metrics_dir, events, start)
     finally:
         for server in servers:
             server.stop()
@@ -76,11 +79,12 @@ def _run(
     metrics: SchedulerMetrics | None,
     metrics_dir: str | None,
     events: KVEventPublisher | None,
+    start_timeout_s: float,
 ) -> DemoResult:
     demo = DemoEngine(snapshot, options, metrics, events)
     check_workload_fits(options, demo.tph, demo.groups, demo.num_blocks)
     try:
-        return _drive(demo, snapshot, options, progress, max_steps, metrics_dir, events)
+        return _drive(demo, snapshot, options, progress, max_steps, metrics_dir, events, start_timeout_s)
     finally:
         demo.sched.close()
 
@@ -93,6 +97,7 @@ def _drive(
     max_steps: int,
     metrics_dir: str | None,
     events: KVEventPublisher | None,
+    start_timeout_s: float,
 ) -> DemoResult:
     started = time.perf_counter()
     cluster = WorkerCluster(
@@ -100,6 +105,7 @@ def _drive(
         shared_pool=options.shared_pool,
         step_timeout_s=options.step_timeout_s,
         worker_timeout_s=options.worker_timeout_s,
+        start_timeout_s=start_timeout_s,
         hook=HOOK,
         hook_options={"memcpy_probe_bytes": options.memcpy_probe_bytes},
         tiering=options.tiering,
@@ -126,6 +132,9 @@ def _drive(
     result.bytes_stored, result.bytes_loaded = stats.bytes_stored, stats.bytes_loaded
     result.store_seconds, result.load_seconds = stats.store_seconds, stats.load_seconds
     result.memcpy_gbps = sum(probes) / len(probes) if probes else 0.0
+    costs = [c for extras in final.attachments.values() if (c := checksum_cost_of(extras)) is not None]
+    if costs:
+        result.checksum_cost = (sum(c[0] for c in costs) / len(costs), sum(c[1] for c in costs) / len(costs))
     result.host_chunks_filled = len(demo.manager)
     result.lookup_miss_reasons = {str(k): v for k, v in stats.lookup_miss_reasons.items()}
     result.chunk_miss_reasons = {str(k): v for k, v in stats.chunk_miss_reasons.items()}

@@ -5,30 +5,42 @@ pass computes this step, ``(group, block_id, seed)`` triples, and the blocks loa
 ``(job_id, group, block_id, seed)``. After the step's loads (``after_step``) the hook verifies the pages of
 every successfully loaded block byte for byte, then writes the computed blocks' deterministic KV, and replies
 ``[checked, mismatched, first mismatched block ids...]``. At shutdown (``finish``) it times one plain copy of
-``memcpy_probe_bytes`` so the demo can show its transfer throughput as a share of a memcpy on the same machine.
+``memcpy_probe_bytes`` so the demo can show its transfer throughput as a share of a memcpy on the same machine,
+and the checksum cost (:func:`_checksum_probe`): the same store and load of the worker's own blocks (up to
+``memcpy_probe_bytes``) through two copy engines over a private host pool, one with content checksums and one
+without, on the worker's memory, layout and copy threads, back to back; the extra time of the checksummed
+jobs as a share of the plain copy of the same bytes (as ``benchmarks/transfer.py`` reports it). Both passes are
+timed in the same moment on the same machine: comparing the run's own GB/s with a pass without checksums run
+at another time would mostly measure the machine's noise. The loads write back the bytes just stored, so the
+engine memory is left as it was.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 import time
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvoffload._generated import StepPlan, WorkerReport
-from kvoffload._ints import check_int
+from kvoffload._generated import OffloadingConfig, StepPlan, WorkerReport
+from kvoffload._ints import cdiv, check_int
 from kvoffload._packed import Int64Array
 from kvoffload.demo.sim_engine import fill_blocks, verify_blocks
-from kvoffload.errors import WireError
+from kvoffload.errors import TransferError, WireError
+from kvoffload.offload.pool import PAGE_SIZE, HostPool, plan_host_pool
+from kvoffload.offload.worker.copy import CopyEngine, TransferLayout
 from kvoffload.runtime.hooks import WorkerContext
 
-__all__ = ["HOOK", "DemoHook", "memcpy_gbps_of", "step_attachments", "step_stats"]
+__all__ = ["HOOK", "DemoHook", "checksum_cost_of", "memcpy_gbps_of", "step_attachments", "step_stats"]
 
 HOOK = f"{__name__}:DemoHook"
 """The dotted path the demo gives ``WorkerCluster(hook=...)``."""
 
 _F64 = struct.Struct("<d")
+_PROBES = struct.Struct("<3d")  # memcpy GB/s, store and load checksum cost (NaN: not measured)
+_REPEATS = 9
 _MAX_REPORTED = 16  # mismatched block ids sent back per step (the count is always exact)
 
 
@@ -45,18 +57,28 @@ def step_stats(extras: Sequence[memoryview]) -> tuple[int, list[int]]:
 
 def memcpy_gbps_of(extras: Sequence[memoryview]) -> float | None:
     """The memcpy bandwidth one worker measured at shutdown (None when its final reply carried none)."""
-    return _F64.unpack(bytes(extras[0]))[0] if extras else None
+    return _F64.unpack_from(bytes(extras[0]))[0] if extras else None
+
+
+def checksum_cost_of(extras: Sequence[memoryview]) -> tuple[float, float] | None:
+    """``(store, load)`` checksum cost one worker measured at shutdown: the extra time of its checksummed jobs
+    over the same jobs without checksums, as a share of a plain memcpy of the same bytes (None: not measured)."""
+    if not extras or len(extras[0]) != _PROBES.size:
+        return None
+    _, store, load = _PROBES.unpack(bytes(extras[0]))
+    return None if math.isnan(store) or math.isnan(load) else (store, load)
 
 
 class DemoHook:
     """Fills and verifies the simulated engine's KV in one worker process (see module docstring).
 
-    Options: ``memcpy_probe_bytes`` (int >= 0, default 0: no probe).
+    Options: ``memcpy_probe_bytes`` (int >= 0, default 0: neither probe runs).
     """
 
     def __init__(self, context: WorkerContext) -> None:
         self._kv = context.kv
         self._layout = context.layout
+        self._config = context.config
         self._rank = context.rank
         self._probe_bytes = _probe_bytes(context.options)
         self._fill: list[tuple[int, int, int]] = []
@@ -81,8 +103,12 @@ class DemoHook:
         return [Int64Array([len(checked), len(bad), *bad[:_MAX_REPORTED]]).tobytes()]
 
     def finish(self, report: WorkerReport) -> Sequence[bytes]:
-        """Time a plain memcpy of ``memcpy_probe_bytes`` (0 GB/s when the probe is off)."""
-        return [_F64.pack(_memcpy_gbps(self._probe_bytes))]
+        """Time a plain memcpy of ``memcpy_probe_bytes`` and the checksum cost (0 GB/s and NaN when off)."""
+        memcpy = _memcpy_gbps(self._probe_bytes)
+        store, load = math.nan, math.nan
+        if memcpy > 0:
+            store, load = _checksum_probe(self._kv, self._layout, self._config, self._probe_bytes, memcpy)
+        return [_PROBES.pack(memcpy, store, load)]
 
     def close(self) -> None:
         """Nothing to release: the KV memory belongs to the worker."""
@@ -105,3 +131,66 @@ def _memcpy_gbps(nbytes: int) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - start)
     return nbytes / best / 1e9
+
+
+def _checksum_probe(
+    kv: torch.Tensor, layout: TransferLayout, config: OffloadingConfig, nbytes: int, memcpy_gbps: float
+) -> tuple[float, float]:
+    """``(store, load)`` checksum cost: best of nine of one store and one load of up to ``nbytes`` of the
+    worker's blocks (every group, in random order), with checksums on and off in turn; the extra seconds
+    with checksums per second of a plain memcpy of the same bytes (NaN when the layout moves nothing)."""
+    per_block = sum(g.bytes_per_block for g in layout.groups)
+    if per_block == 0 or layout.num_blocks == 0:
+        return math.nan, math.nan
+    blocks = max(1, min(layout.num_blocks, nbytes // per_block))
+    bpc = config.cache.blocks_per_chunk
+    groups = len(layout.groups)
+    chunks = groups * cdiv(blocks, bpc)
+    row = cdiv(layout.worker_kv_bytes_per_block * bpc, PAGE_SIZE) * PAGE_SIZE
+    plan = plan_host_pool(
+        worker_kv_bytes_per_block=layout.worker_kv_bytes_per_block,
+        world_size=1,
+        blocks_per_chunk=bpc,
+        cpu_bytes_to_use=chunks * row,
+        replicated=False,
+        rank=0,
+    )
+    ids = torch.randperm(layout.num_blocks)[:blocks].repeat(groups)
+    tags = torch.arange(1, chunks + 1)
+
+    def run(engine: CopyEngine, job_id: int, is_store: bool) -> float:
+        submit = engine.submit_store if is_store else engine.submit_load
+        start = time.perf_counter()
+        submit(
+            job_id,
+            group_sizes=[blocks] * groups,
+            block_indices=[0] * groups,
+            block_ids=ids,
+            chunk_ids=torch.arange(chunks),
+            chunk_tags=tags,
+        )
+        engine.wait([job_id])
+        seconds = time.perf_counter() - start
+        (result,) = engine.poll()
+        if not result.success:
+            raise TransferError(f"checksum probe: job {job_id} (store={is_store}) failed: {result.error}")
+        return seconds
+
+    best = {(on, is_store): math.inf for on in (True, False) for is_store in (True, False)}
+    threads = torch.get_num_threads()
+    with (
+        HostPool(plan) as pool,
+        CopyEngine(kv, layout, pool, cpu_threads=threads) as checked,
+        CopyEngine(kv, layout, pool, cpu_threads=threads, checksums=False) as unchecked,
+    ):
+        job_id = 0
+        for repeat in range(_REPEATS):
+            # both engines use the same chunks: each pass stores, then loads back what it stored
+            for engine in (checked, unchecked) if repeat % 2 == 0 else (unchecked, checked):
+                for is_store in (True, False):
+                    job_id += 1
+                    key = (engine.checksums, is_store)
+                    best[key] = min(best[key], run(engine, job_id, is_store))
+    plain = blocks * per_block / (memcpy_gbps * 1e9)
+    store, load = ((best[True, d] - best[False, d]) / plain for d in (True, False))
+    return store, load

@@ -12,23 +12,29 @@ session with exit status 3 after a last ``WorkerFailure`` message naming the exc
 reports the real cause (and fails the worker's jobs); a vanished scheduler ends it with 0. Once the handshake is
 done a thread sends a ``Heartbeat`` every ``heartbeat_interval_s``: a stopped or frozen process sends none,
 which is how the scheduler tells a stall from a slow step. Workers ignore SIGINT: on Ctrl-C the scheduler
-shuts them down (a terminal sends SIGINT to the whole process group).
+shuts them down (a terminal sends SIGINT to the whole process group). A worker never outlives its scheduler:
+first thing, before torch is imported, it asks for ``PR_SET_PDEATHSIG`` (SIGKILL when the parent ends) and
+checks its parent is still the scheduler that spawned it, and a thread checks again every 0.2 s. The cluster
+starts workers with :func:`start_ignoring_sigint` and tells a stopped one by :func:`process_stopped`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 
 from kvoffload import wire
 from kvoffload._generated import (
@@ -45,20 +51,53 @@ from kvoffload._generated import (
     WorkerReport,
     codecs,
 )
-from kvoffload.assembly import WorkerParts, build_worker
 from kvoffload.errors import ConfigError, WireError, WorkerError
-from kvoffload.offload.worker import OffloadWorker
-from kvoffload.offload.worker.copy import TransferLayout, transfer_layout_from_config
 from kvoffload.runtime._channel import Channel
-from kvoffload.runtime.hooks import WorkerContext, WorkerHook, decode_hook_options, make_hook
 from kvoffload.translate import translate_snapshot
 
-if TYPE_CHECKING:
-    from kvoffload.metrics import WorkerMetrics
+if TYPE_CHECKING:  # torch and what builds on it load in the worker, after it has tied itself to its parent
+    import torch
 
-__all__ = ["WorkerSpec", "rank_config", "run_worker"]
+    from kvoffload.assembly import WorkerParts
+    from kvoffload.metrics import WorkerMetrics
+    from kvoffload.offload.worker import OffloadWorker
+    from kvoffload.offload.worker.copy import TransferLayout
+    from kvoffload.runtime.hooks import WorkerHook
+
+__all__ = ["WorkerSpec", "process_stopped", "rank_config", "run_worker", "start_ignoring_sigint"]
 
 EXIT_BAD_MESSAGE = 3
+
+
+def process_stopped(proc: BaseProcess) -> bool:
+    """Whether ``proc`` is stopped (SIGSTOP, job control) or held by a tracer, from its Linux process state."""
+    try:
+        stat = Path(f"/proc/{proc.pid}/stat").read_text()
+    except (OSError, ValueError):
+        return False  # gone (its sentinel says so), or no /proc: nothing to tell
+    state = stat.rpartition(")")[2].split()[:1]
+    return state in (["T"], ["t"])
+
+
+def start_ignoring_sigint(proc: BaseProcess) -> None:
+    """Start ``proc`` with SIGINT ignored from its first instruction, without losing a Ctrl-C meant for us.
+
+    An ignored disposition survives exec (a handler or the signal mask do not), so a Ctrl-C while the child
+    still imports cannot kill it with a traceback; the worker keeps ignoring SIGINT and leaves stopping to the
+    scheduler. Meanwhile SIGINT is blocked here: one arriving stays pending and is delivered once restored.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        proc.start()  # signal dispositions can only be changed from the main thread
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            proc.start()
+        finally:
+            signal.signal(signal.SIGINT, handler)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -80,6 +119,12 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """Dotted path of a WorkerHook factory the worker imports and calls around every step (None: no hook)."""
     hook_options_json: str | None = None
     """The hook's options, a JSON object (given to the factory in its WorkerContext)."""
+    parent_pid: int | None = None
+    """The scheduler's pid: a worker whose parent is no longer this process exits at once (checked at start,
+    then every :data:`PARENT_CHECK_INTERVAL_S`)."""
+    parent_death_signal: bool = False
+    """Ask Linux to SIGKILL the worker when the thread that spawned it ends (``PR_SET_PDEATHSIG``); the
+    scheduler sets it when it spawns from its main thread, whose end is the process's."""
 
 
 def rank_config(snapshot: EngineSnapshot, rank: int) -> tuple[EngineSnapshot, OffloadingConfig]:
@@ -136,6 +181,13 @@ class _Session:
 
 
 def _open_session(spec: WorkerSpec) -> _Session:
+    import torch
+
+    from kvoffload.assembly import build_worker
+    from kvoffload.offload.worker.copy import transfer_layout_from_config
+    from kvoffload.runtime.hooks import WorkerContext, decode_hook_options, make_hook
+
+    torch.set_num_threads(max(1, spec.torch_threads))
     snapshot = codecs.decode(spec.snapshot_json, EngineSnapshot, format="json")
     ranked, config = rank_config(snapshot, spec.rank)
     layout = transfer_layout_from_config(ranked.kv_cache_config, config)
@@ -237,12 +289,46 @@ def _report_failure(channel: Channel, rank: int, step: int, exc: BaseException) 
         channel.send(WorkerFailure(rank=rank, error_type=type(exc).__name__, message=message, step=step))
 
 
+PARENT_CHECK_INTERVAL_S = 0.2
+"""How often a worker checks that its scheduler is still its parent (a busy worker reads no EOF)."""
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _follow_parent(spec: WorkerSpec) -> None:
+    """Tie this worker's life to its scheduler's, before anything slow (importing torch, building the pool).
+
+    With ``parent_death_signal`` the kernel SIGKILLs the worker the moment its parent ends (a stopped worker
+    included). Then, closing the race with a parent that died while this process started, and for a parent
+    that spawned from another thread: a worker whose parent is no longer ``parent_pid`` exits now, and a
+    daemon thread checks again every :data:`PARENT_CHECK_INTERVAL_S` (a worker waiting for a message sees
+    EOF anyway; this catches one in the middle of a step).
+    """
+    if spec.parent_death_signal and sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(errno)}")
+    parent = spec.parent_pid
+    if parent is None:
+        return
+    if os.getppid() != parent:
+        os._exit(0)  # the scheduler is already gone: nothing to serve, nothing to release yet
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_INTERVAL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name=f"kvoffload-parent-{spec.rank}", daemon=True).start()
+
+
 def run_worker(conn: Connection, spec_json: bytes) -> None:
     """Process entry: serve one scheduler until Shutdown or until it goes away."""
     # Ctrl-C reaches the whole process group; the scheduler decides how workers stop (Shutdown, then exit).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = msgspec.json.decode(spec_json, type=WorkerSpec)
-    torch.set_num_threads(max(1, spec.torch_threads))
+    _follow_parent(spec)
     channel = Channel(conn)
     heartbeat = _Heartbeat(channel, spec.rank, spec.heartbeat_interval_s)
     session: _Session | None = None

@@ -6,10 +6,12 @@ a timeout, and a worker that dies, fails (its ``WorkerFailure`` names the cause)
 dead: its process is ended (one that reported its own failure first gets up to 10 s to close its hook, pool and
 tiers and exit) and :meth:`WorkerCluster.step` reports it in ``newly_dead`` (with the reason in ``errors``) so
 the scheduler can fail the jobs it will never report (requests then fall back to recompute) and carry on with
-the others. Before spawning, :meth:`WorkerCluster.start` checks every rank's config can run and that all host
-pools together fit in available memory, and removes shared-pool files whose owner died. ``close`` shuts workers
-down cleanly (Shutdown, final drain report, join), kills stragglers, and leaves no orphan processes or
-shared-memory files.
+the others. :meth:`WorkerCluster.start` first checks every rank's config can run and that all host pools
+together fit in available memory, and removes shared-pool files whose owner died; a worker is then given up
+when it exits, fails, stays stopped (SIGSTOP, a debugger) for ``worker_timeout_s``, or has not completed the
+handshake within ``start_timeout_s``. ``close`` shuts workers down (Shutdown, final drain report, join) within
+``close_timeout_s``, kills stragglers, and leaves no orphan processes or shared-memory files. Workers never
+outlive the scheduler (a parent-death signal and a parent watch: :mod:`kvoffload.runtime._worker_process`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import signal
 import threading
 import time
 import uuid
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
+from typing import NoReturn
 
 import msgspec
 
@@ -50,7 +52,13 @@ from kvoffload.offload.pool import (
     sweep_stale_pools,
 )
 from kvoffload.runtime._channel import Channel
-from kvoffload.runtime._worker_process import WorkerSpec, rank_config, run_worker
+from kvoffload.runtime._worker_process import (
+    WorkerSpec,
+    process_stopped,
+    rank_config,
+    run_worker,
+    start_ignoring_sigint,
+)
 from kvoffload.runtime.hooks import HookOptions, encode_hook_options, load_hook
 from kvoffload.translate import validate_runnable
 
@@ -71,36 +79,27 @@ class ClusterStep:
 DEFAULT_WORKER_TIMEOUT_S = 10.0
 """A worker that sends no heartbeat (nor anything else) for this long is given up as stopped or frozen."""
 
+DEFAULT_START_TIMEOUT_S = 120.0
+"""All workers must complete the handshake within this long (a large pool takes time to map and fill)."""
+
+DEFAULT_CLOSE_TIMEOUT_S = 10.0
+"""``close`` gives all workers together this long to send their final report and exit, then kills them."""
+
 _FAILED_EXIT_GRACE_S = 10.0
 """How long a worker that sent ``WorkerFailure`` may take to release what it holds and exit before it is ended."""
 
 
-def _start_ignoring_sigint(proc: BaseProcess) -> None:
-    """Start ``proc`` with SIGINT ignored from its first instruction, without losing a Ctrl-C meant for us.
-
-    An ignored disposition survives exec (a handler or the signal mask do not), so a Ctrl-C while the child
-    still imports cannot kill it with a traceback; the worker keeps ignoring SIGINT and leaves stopping to the
-    scheduler. Meanwhile SIGINT is blocked here: one arriving stays pending and is delivered once restored.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        proc.start()  # signal dispositions can only be changed from the main thread
-        return
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            proc.start()
-        finally:
-            signal.signal(signal.SIGINT, handler)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+def _remaining(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic())
 
 
 class WorkerCluster:
     """N worker processes serving one scheduler over the wire (see module docstring).
 
     ``worker_timeout_s`` is the liveness deadline (workers send a heartbeat every fifth of it; a stopped process
-    sends none); ``step_timeout_s`` bounds one step of a live worker; ``start_timeout_s`` its startup.
+    sends none; before the handshake, a process stopped for that long is given up); ``step_timeout_s`` bounds
+    one step of a live worker; ``start_timeout_s`` the start-up of all of them (spawn to handshake);
+    ``close_timeout_s`` the clean shutdown of all of them in :meth:`close`.
     ``hook`` is the dotted path of a :class:`~kvoffload.runtime.hooks.WorkerHook` factory every worker imports
     and calls around each step, with the JSON-safe ``hook_options`` (ConfigError here when it cannot be
     imported or the options are not JSON).
@@ -113,8 +112,9 @@ class WorkerCluster:
         workers: int | None = None,
         shared_pool: bool = False,
         step_timeout_s: float = 120.0,
-        start_timeout_s: float = 120.0,
+        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         worker_timeout_s: float = DEFAULT_WORKER_TIMEOUT_S,
+        close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
         torch_threads: int | None = None,
         checksums: bool = True,
         tiering: TieringConfig | None = None,
@@ -126,6 +126,7 @@ class WorkerCluster:
             ("step_timeout_s", step_timeout_s),
             ("start_timeout_s", start_timeout_s),
             ("worker_timeout_s", worker_timeout_s),
+            ("close_timeout_s", close_timeout_s),
         ):
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1e9:
                 raise ConfigError(f"{name}={value!r} must be a number of seconds > 0")
@@ -141,6 +142,7 @@ class WorkerCluster:
         self.step_timeout_s = float(step_timeout_s)
         self.start_timeout_s = float(start_timeout_s)
         self.worker_timeout_s = float(worker_timeout_s)
+        self.close_timeout_s = float(close_timeout_s)
         self.shared_pool = shared_pool
         # Workers record transfer metrics in prometheus_client's multiprocess mode under this directory.
         self.metrics_dir = metrics_dir
@@ -198,6 +200,7 @@ class WorkerCluster:
         check_pools_fit(plans, shared=self.shared_pool)
         sweep_stale_pools()
         ctx = mp.get_context("spawn")
+        tied = threading.current_thread() is threading.main_thread()  # PR_SET_PDEATHSIG follows the forking thread
         try:
             with contextlib.ExitStack() as env:
                 if self.metrics_dir is not None:
@@ -206,32 +209,74 @@ class WorkerCluster:
                     env.enter_context(multiprocess_env(self.metrics_dir))  # inherited by the spawned workers
                 for spec in self._specs:
                     parent, child = ctx.Pipe(duplex=True)
+                    spec = msgspec.structs.replace(spec, parent_pid=os.getpid(), parent_death_signal=tied)
                     proc = ctx.Process(
                         target=run_worker,
                         args=(child, msgspec.json.encode(spec)),
                         name=f"kvoffload-worker-{spec.rank}",
                         daemon=True,
                     )
-                    _start_ignoring_sigint(proc)
+                    start_ignoring_sigint(proc)
                     child.close()
                     self._procs[spec.rank] = proc
                     self._channels[spec.rank] = Channel(parent)
-            local = wire.make_hello(PeerRole.SCHEDULER, 0, self.world_size, self.engine_id)
-            for channel in self._channels.values():
-                channel.send(local)
-            for rank in self._channels:
-                reply = self._recv(rank, self.start_timeout_s).message
-                if not isinstance(reply, Hello):
-                    raise WireError(f"worker {rank} answered the handshake with {type(reply).__name__}")
-                self.handshakes[rank] = wire.check_hello(local, reply)
-                self._last_seen[rank] = time.monotonic()  # heartbeats start now
+            self._handshake()
         except BaseException:
             self._unlink_pool()
-            self.close(timeout_s=5.0)
+            self.close(timeout_s=min(5.0, self.close_timeout_s))
             raise
         # Every worker replied after mapping the shared pool: its name is no longer needed, and removing it
         # now means no file is left behind whatever happens to the processes later.
         self._unlink_pool()
+
+    def _handshake(self) -> None:
+        """Hello to every worker and each one's reply, all within ``start_timeout_s``. A worker sends nothing
+        until then (it imports, maps its pool, builds its hook), so it is given up (ended, WorkerError) when it
+        exits, fails, is seen stopped for ``worker_timeout_s`` (its process state), or at the deadline."""
+        local = wire.make_hello(PeerRole.SCHEDULER, 0, self.world_size, self.engine_id)
+        for channel in self._channels.values():
+            channel.send(local)
+        deadline = time.monotonic() + self.start_timeout_s
+        tick = min(0.25, self.worker_timeout_s / 4)
+        pending = list(self._channels)
+        stopped_since: dict[int, float] = {}
+        while pending:
+            now = time.monotonic()
+            for rank in pending:
+                if not process_stopped(self._procs[rank]):
+                    stopped_since.pop(rank, None)
+                elif now - stopped_since.setdefault(rank, now) >= self.worker_timeout_s:
+                    self._give_up(
+                        [rank],
+                        f"worker {rank} was stopped for {self.worker_timeout_s:g}s during start-up "
+                        "(worker_timeout_s): given up",
+                    )
+            if now >= deadline:
+                self._give_up(
+                    pending,
+                    f"worker {pending[0]} did not complete the handshake within {self.start_timeout_s:g}s "
+                    "(start_timeout_s)",
+                )
+            watched = [(self._channels[r].conn, r) for r in pending] + [(self._procs[r].sentinel, r) for r in pending]
+            ready = wait([obj for obj, _ in watched], min(tick, deadline - now))
+            for rank in dict.fromkeys(r for obj, r in watched if obj in ready):
+                try:
+                    reply = self._recv(rank, _remaining(deadline)).message
+                    if not isinstance(reply, Hello):
+                        raise WireError(f"worker {rank} answered the handshake with {type(reply).__name__}")
+                    self.handshakes[rank] = wire.check_hello(local, reply)
+                except (WorkerError, WireError, TimeoutError) as exc:
+                    self._give_up([rank], str(exc), exc)
+                self._last_seen[rank] = time.monotonic()  # heartbeats start now
+                pending.remove(rank)
+
+    def _give_up(self, ranks: list[int], reason: str, exc: Exception | None = None) -> NoReturn:
+        """Mark ``ranks`` dead (their processes ended: close does not wait for them), raise ``exc`` or ``reason``."""
+        for rank in ranks:
+            self._mark_dead(rank, [], reason)
+        if exc is not None:
+            raise exc
+        raise WorkerError(reason)
 
     def _forget_metrics(self, proc: BaseProcess) -> None:
         """Tell the multiprocess metrics that an exited worker's live gauges are gone."""
@@ -245,11 +290,12 @@ class WorkerCluster:
             with contextlib.suppress(FileNotFoundError):
                 shared_pool_path(self._pool_id).unlink()
 
-    def _recv(self, rank: int, timeout: float) -> wire.Decoded:
+    def _recv(self, rank: int, timeout: float, *, late: str | None = None) -> wire.Decoded:
         """Receive one message from a worker within ``timeout``, skipping heartbeats.
 
         Raises WorkerError naming the rank when the worker reports a failure (its exception type and
-        message), exits, stays silent past the heartbeat deadline (stopped or frozen) or past ``timeout``.
+        message), exits, stays silent past the heartbeat deadline (stopped or frozen) or past ``timeout``
+        (then with the message ``late`` when given).
         """
         proc = self._procs[rank]
         channel = self._channels[rank]
@@ -267,7 +313,7 @@ class WorkerCluster:
                         "stopped or frozen"
                     )
                 if time.monotonic() >= deadline:
-                    raise WorkerError(f"worker {rank} did not answer within {timeout:g}s")
+                    raise WorkerError(late or f"worker {rank} did not answer within {timeout:g}s")
                 continue
             if channel.conn in ready:
                 try:
@@ -328,17 +374,14 @@ class WorkerCluster:
             extras[rank] = decoded.attachments
         return ClusterStep(tuple(reports), extras, tuple(newly_dead), {r: self.errors[r] for r in newly_dead})
 
-    def _mark_dead(self, rank: int, newly_dead: list[int], reason: str) -> None:
+    def _mark_dead(self, rank: int, newly_dead: list[int], reason: str, grace_s: float = _FAILED_EXIT_GRACE_S) -> None:
+        """Record why ``rank`` is given up and end its process: SIGTERM, then SIGKILL (all a stopped one obeys)."""
         self.dead.add(rank)
         self.errors[rank] = reason
         newly_dead.append(rank)
-        self._end_process(rank)
-
-    def _end_process(self, rank: int) -> None:
-        """SIGTERM, then SIGKILL (a stopped process only reacts to SIGKILL)."""
         proc = self._procs[rank]
         if rank in self._failing:
-            proc.join(_FAILED_EXIT_GRACE_S)  # it is closing its hook, pool and tiers on its way out
+            proc.join(grace_s)  # it is closing its hook, pool and tiers on its way out
         if proc.is_alive():
             proc.terminate()
             proc.join(1.0)
@@ -349,8 +392,7 @@ class WorkerCluster:
 
     def kill_worker(self, rank: int) -> None:
         """Kill a worker process abruptly (fault-injection for tests and drills)."""
-        proc = self._procs[rank]
-        if proc.pid is not None and proc.is_alive():
+        if (proc := self._procs[rank]).is_alive():
             proc.kill()
         proc.join(5.0)
 
@@ -360,8 +402,15 @@ class WorkerCluster:
 
     # ------------------------------------------------------------------------------------------ shutdown
 
-    def close(self, timeout_s: float = 30.0) -> ClusterStep:
-        """Shut every live worker down cleanly and return their final (drain) reports."""
+    def close(self, timeout_s: float | None = None) -> ClusterStep:
+        """Shut every live worker down cleanly and return their final (drain) reports, within a bound.
+
+        All workers together get ``timeout_s`` (default ``close_timeout_s``) to drain, send their final report
+        and exit; one that has not by then (a slow drain or hook, a stopped or frozen process, a peer that
+        never answers Shutdown) is marked dead and killed, so close returns within about ``timeout_s`` + 1 s.
+        """
+        bound = self.close_timeout_s if timeout_s is None else float(timeout_s)
+        deadline = time.monotonic() + bound
         reports: list[WorkerReport] = []
         extras: dict[int, tuple[memoryview, ...]] = {}
         newly_dead: list[int] = []
@@ -369,17 +418,19 @@ class WorkerCluster:
             try:
                 self._channels[rank].send(Shutdown(reason="scheduler closing"))
             except WorkerError as exc:
-                self._mark_dead(rank, newly_dead, str(exc))
+                self._mark_dead(rank, newly_dead, str(exc), _remaining(deadline))
         for rank in self.live_ranks:
+            late = f"worker {rank} did not finish within {bound:g}s of close (close_timeout_s): killed"
             try:
-                decoded = self._recv(rank, timeout_s)
+                decoded = self._recv(rank, _remaining(deadline), late=late)
                 if isinstance(decoded.message, WorkerReport):
                     reports.append(decoded.message)
                     extras[rank] = decoded.attachments
             except (WorkerError, WireError, TimeoutError) as exc:
-                self._mark_dead(rank, newly_dead, str(exc))
+                self._mark_dead(rank, newly_dead, str(exc), _remaining(deadline))
+        exited = max(deadline, time.monotonic() + 1.0)  # a worker that reported gets a moment to exit
         for rank, proc in self._procs.items():
-            proc.join(timeout_s if rank not in self.dead else 1.0)
+            proc.join(_remaining(exited) if rank not in self.dead else 0.0)
             if proc.is_alive():
                 proc.kill()
                 proc.join(5.0)

@@ -24,6 +24,7 @@ from kvoffload._generated import (
     TierJobResult,
     ValkeyTierConfig,
 )
+from kvoffload._lazy import lazy_getattr as _lazy_getattr
 from kvoffload.tiers._backpressure import BackpressureSettings, EMABackpressureDetector, resolve_backpressure
 from kvoffload.tiers._base import SecondaryTier, TierBase, TierIOResult, TierStats
 from kvoffload.tiers._config import open_tier, tier_from_cli, tiering_config_from_extra
@@ -45,16 +46,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    """Load the valkey- and torch-backed names on first use."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = _lazy_getattr(__name__, _LAZY, globals())
 
 
 __all__ = [

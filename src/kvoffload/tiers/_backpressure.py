@@ -89,7 +89,16 @@ class EMABackpressureDetector:
         self._warmup: list[float] = []
         self.under_pressure = False
         self._cleared_at: float | None = None
-        self._last_sample = clock()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything learned (vLLM ``reset_cache``): EMA, warm-up, pressure, cooldown, streaks, drop
+        counters."""
+        self.ema = None
+        self._warmup = []
+        self.under_pressure = False
+        self._cleared_at = None
+        self._last_sample = self._clock()
         self._consecutive_failures = 0
         self._healthy_streak = 0
         self._accumulator = 0.0
@@ -105,6 +114,7 @@ class EMABackpressureDetector:
         self._last_sample = now
         if not success:
             self._consecutive_failures += 1
+            self._healthy_streak = 0  # a failing tier is not healthy: its fast path must not clear pressure
             if s.failure_threshold is not None and self._consecutive_failures >= s.failure_threshold:
                 self.ema = max(self.ema or 0.0, 4 * s.high_water_s)
                 self.under_pressure = True

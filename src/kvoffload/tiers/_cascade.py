@@ -384,6 +384,8 @@ class Tiering:
             state.stale = True
         self._cascade_queue.clear()
         self._queried.clear()
+        for detector in self._detectors:
+            detector.reset()
 
     def on_request_finished(self, req_id: str) -> None:
         """Forget the request's tier queries."""

@@ -23,7 +23,7 @@ from kvoffload._generated import (
     ValkeyTierConfig,
 )
 from kvoffload.errors import ConfigError
-from kvoffload.tiers._base import SecondaryTier
+from kvoffload.tiers._base import SecondaryTier, TierBase
 from kvoffload.tiers._namespace import Namespace
 
 __all__ = ["TIERING_KEYS", "open_tier", "tier_from_cli", "tiering_config_from_extra"]
@@ -141,6 +141,13 @@ def open_tier(
             raise ConfigError(
                 f"custom tier: cannot import {config.class_name!r} from module_path={config.module_path!r}: {exc}"
             ) from exc
+        # As vLLM checks a tier class against its base class: having the right attribute names is not enough
+        # (a mock has them all); the class must be a TierBase or declare the SecondaryTier protocol.
+        if not isinstance(cls, type) or not (issubclass(cls, TierBase) or SecondaryTier in cls.__mro__):
+            raise ConfigError(
+                f"custom tier {config.module_path}.{config.class_name} must be a class deriving from "
+                f"kvoffload.tiers.TierBase (or declaring kvoffload.tiers.SecondaryTier), got {cls!r}"
+            )
         tier = cls(namespace=namespace, **dict(config.options))
         if not isinstance(tier, SecondaryTier):
             raise ConfigError(f"custom tier {config.class_name!r} does not implement the SecondaryTier protocol")

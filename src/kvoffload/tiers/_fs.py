@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvoffload._ints import check_int, check_optional_int, round_up
+from kvoffload._procs import pid_alive
 from kvoffload.errors import ConfigError, RecordError, TierError
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.tiers._base import TierBase
@@ -57,16 +58,6 @@ class _Staging(threading.local):
                 self.buf.close()
             self.buf = mmap.mmap(-1, round_up(size, _PAGE))
         return self.buf
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class FsTier(TierBase):
@@ -214,7 +205,7 @@ class FsTier(TierBase):
             pid = int(name.split("-")[1])
         except (IndexError, ValueError):
             pid = -1
-        if pid != os.getpid() and not _pid_alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             with contextlib.suppress(OSError):
                 os.unlink(path)
 

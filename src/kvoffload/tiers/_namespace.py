@@ -1,8 +1,9 @@
 """Namespaces: which records a tier instance may read, derived from everything that shapes a chunk row.
 
 Two engines share records only when their rows are byte-compatible: same model, cache dtype, hashing and
-chunking, groups (tokens per block, layer names), parallel configuration, page size, and (unless the offload
-is replicated, ``replicated_layout``: every rank holds the same bytes) the same rank. All of these go into a
+chunking, groups (tokens per block, layer names), page size, and (unless the offload is replicated,
+``replicated_layout``: every rank of any parallel size holds the same bytes) the same parallel configuration and
+rank. All of these go into a
 canonical JSON document whose sha256 names the namespace (as vLLM's ``FileMapper`` does, extended with the
 page size and the record format), so a different model, dtype, page size or parallel configuration never
 reads another's records.
@@ -66,14 +67,14 @@ def namespace_for(config: OffloadingConfig, rank: int | None = None, *, row_byte
         "worker_kv_bytes_per_block": config.worker_kv_bytes_per_block,
         "row_bytes": row,
         "kv_cache_layout": config.kv_cache_layout,
-        "tp": p.tp_size,
-        "pp": p.pp_size,
-        "pcp": p.pcp_size,
-        "dcp": p.dcp_size,
-        "world_size": p.world_size,
         "replicated_layout": config.replicated_layout,
         "rank": 0 if config.replicated_layout else rank,
     }
+    if not config.replicated_layout:
+        # Every rank holds its own slice: only the same parallel configuration reads the same bytes. A replicated
+        # layout holds the same bytes on every rank of any size, so (as vLLM's FileMapper) TP 2 writes what TP 4
+        # reads.
+        fields |= {"tp": p.tp_size, "pp": p.pp_size, "pcp": p.pcp_size, "dcp": p.dcp_size, "world_size": p.world_size}
     text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     label = _UNSAFE.sub("_", config.model.name)[:80] or "model"

@@ -6,6 +6,7 @@
 
 from typing import TYPE_CHECKING
 
+from kvoffload._lazy import lazy_getattr as _lazy_getattr
 from kvoffload.offload.pool._files import (
     available_host_memory_bytes,
     check_pools_fit,
@@ -34,16 +35,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    """Load the torch-backed names on first use."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = _lazy_getattr(__name__, _LAZY, globals())
 
 
 __all__ = [

@@ -12,6 +12,7 @@ import os
 import re
 from pathlib import Path
 
+from kvoffload._procs import pid_alive
 from kvoffload.errors import ConfigError, HostMemoryError
 from kvoffload.offload.pool._plan import PAGE_SIZE, HostPoolPlan
 
@@ -58,16 +59,6 @@ def owned_pool_id(engine_id: str, pid: int | None = None) -> str:
     return f"{engine_id}.pid{os.getpid() if pid is None else pid}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True  # another user's process, or a pid we cannot ask about: keep the file
-    return pid > 0
-
-
 def sweep_stale_pools(shm_dir: str | os.PathLike[str] = "/dev/shm") -> list[Path]:
     """Remove shared-pool files named by :func:`owned_pool_id` whose owner process no longer exists.
 
@@ -78,7 +69,7 @@ def sweep_stale_pools(shm_dir: str | os.PathLike[str] = "/dev/shm") -> list[Path
     with contextlib.suppress(OSError):
         for path in sorted(Path(shm_dir).glob("kvoffload_*.mmap")):
             match = _OWNED_NAME.fullmatch(path.name)
-            if match is None or _pid_alive(int(match.group(1))):
+            if match is None or pid_alive(int(match.group(1))):
                 continue
             with contextlib.suppress(FileNotFoundError, PermissionError):
                 path.unlink()

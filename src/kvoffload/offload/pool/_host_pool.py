@@ -3,6 +3,7 @@
 The pool is ONE ``uint8`` torch tensor of chunk rows, sized by a :class:`~kvoffload.offload.pool.HostPoolPlan`.
 The optional shared-memory backing follows vLLM 0.33's shared offload region: one file under ``/dev/shm`` that
 every rank maps, so a replicated offload (``replicated_layout``) keeps one copy of the cache for all ranks.
+With CUDA the rows are page-locked in the background (:mod:`._pinning`): exactly the rows this process maps.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -22,16 +23,13 @@ from kvoffload._ints import round_up
 from kvoffload.errors import ConfigError, HostMemoryError, InvalidStateError, WorkerError
 from kvoffload.offload.pool._files import available_host_memory_bytes, prefault, shared_pool_path
 from kvoffload.offload.pool._integrity import IntegrityTable
+from kvoffload.offload.pool._pinning import HostRegistration, pin_bytes
 from kvoffload.offload.pool._plan import PAGE_SIZE, HostPoolPlan, table_entries
+from kvoffload.offload.pool._reservations import reserve_host_memory
 
 __all__ = ["HostPool"]
 
 _JOIN_POLL_S = 0.005
-
-
-def _cudart() -> Any:
-    """torch's CUDA runtime bindings (untyped in torch)."""
-    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
 
 
 def _check_fits(what: str, requested: int, available: int, plan: HostPoolPlan, row_bytes: int) -> None:
@@ -51,7 +49,7 @@ class _Resources:
         self.path: Path | None = None
         self.owns_file = False  # created the file and has not removed it yet
         self.created = False
-        self.registered_ptr: int | None = None
+        self.registration: HostRegistration | None = None
 
     def unlink(self) -> None:
         if self.owns_file and self.path is not None:
@@ -60,10 +58,9 @@ class _Resources:
                 os.unlink(self.path)
 
     def release(self) -> None:
-        if self.registered_ptr is not None:
-            with contextlib.suppress(Exception):
-                _cudart().cudaHostUnregister(self.registered_ptr)
-            self.registered_ptr = None
+        if self.registration is not None:
+            self.registration.close()  # waits for a registration still running, then unregisters
+            self.registration = None
         self.unlink()
         if self.fd is not None:
             with contextlib.suppress(OSError):
@@ -79,7 +76,13 @@ class HostPool:
     ``/dev/shm/kvoffload_{engine_id}.mmap`` of ``num_chunks * plan.row_bytes`` bytes mapped by every rank;
     the first rank to create it (``O_CREAT|O_EXCL``) sizes it, the others wait up to ``join_timeout_s`` for
     that and map it. The creator removes the file on :meth:`close`, on exit, or earlier via :meth:`unlink`
-    once every rank has mapped it. ``pin_memory="auto"`` pins when CUDA is available.
+    once every rank has mapped it.
+
+    ``pin_memory`` (``"auto"``: when CUDA is available) page-locks the rows with ``cudaHostRegister`` on a
+    background thread, so construction does not wait for it: :attr:`is_pinned` says whether it is done,
+    :meth:`wait_pinned` waits. It registers :attr:`pin_bytes`, exactly this process's mapping of the rows: a
+    private pool is an anonymous mapping of its rows (no power-of-two pinned allocation), a shared pool's
+    ranks each register their own mapping of the one file (its memory is allocated once, not per rank).
 
     Beside the rows the pool holds its :attr:`integrity` table (key tag, checksum and state per chunk,
     slot and sub-block); a shared pool keeps it at the end of the shared file so every rank sees it.
@@ -105,16 +108,22 @@ class HostPool:
         self._res = _Resources()
         self._finalizer = weakref.finalize(self, self._res.release)
         self._closed = False
-        self._pinned = False
+        self._pin_bytes = pin_bytes(plan, shared=engine_id is not None)
+        if want_pin:
+            torch.cuda.init()  # type: ignore[no-untyped-call]  # here, before the registration thread
         if engine_id is None:
             self._row_bytes = plan.slot_bytes
             self._slot_offset = 0
             requested = plan.num_chunks * self._row_bytes
-            if check_memory:
-                _check_fits("host memory", requested, available_host_memory_bytes(), plan, self._row_bytes)
             shape = (plan.num_chunks, self._row_bytes)
-            self._rows = torch.zeros(shape, dtype=torch.uint8, pin_memory=want_pin)
-            self._pinned = want_pin
+            with self._reserved(requested, check_memory, shm_dir):
+                if want_pin and requested > 0:
+                    # exactly the rows, page-aligned, zero pages faulted in by the registration (not here)
+                    mapping = mmap.mmap(-1, requested, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                    self._rows = torch.frombuffer(mapping, dtype=torch.uint8, count=requested).view(shape)
+                    self._pin(self._rows)
+                else:
+                    self._rows = torch.zeros(shape, dtype=torch.uint8)  # zero-filled: resident on return
             meta = torch.zeros(table_entries(plan.num_chunks, 1, plan.blocks_per_chunk) * 3, dtype=torch.int64)
             self._integrity = IntegrityTable(
                 meta, num_chunks=plan.num_chunks, slots=1, slot=0, blocks_per_chunk=plan.blocks_per_chunk
@@ -125,7 +134,7 @@ class HostPool:
             self._res.path = shared_pool_path(engine_id, shm_dir)
             self._rows, meta = self._map_shared(self._res.path, check_memory, join_timeout_s)
             if want_pin and self._rows.numel() > 0:
-                self._pinned = self._register(self._rows)
+                self._pin(self._rows)
             self._integrity = IntegrityTable(
                 meta,
                 num_chunks=plan.num_chunks,
@@ -169,12 +178,14 @@ class HostPool:
                         plan,
                         self._row_bytes,
                     )
-                    _check_fits("host memory", total, available_host_memory_bytes(), plan, self._row_bytes)
-                os.ftruncate(res.fd, total)
+                with self._reserved(total, check_memory, path.parent):
+                    os.ftruncate(res.fd, total)
+                    mapping = mmap.mmap(res.fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                    prefault(mapping, self._own_ranges(total))
             else:
                 self._wait_for_creator(res.fd, path, total, deadline, join_timeout_s)
-            mapping = mmap.mmap(res.fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            prefault(mapping, self._own_ranges(total))
+                mapping = mmap.mmap(res.fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                prefault(mapping, self._own_ranges(total))
         except BaseException:
             res.release()
             raise
@@ -218,17 +229,30 @@ class HostPool:
                 ) from TimeoutError(errno.ETIMEDOUT, str(path))
             time.sleep(_JOIN_POLL_S)
 
-    def _register(self, rows: torch.Tensor) -> bool:
-        """Pin an mmap'ed region with ``cudaHostRegister``; stay pageable (False) if the driver refuses."""
-        ptr = rows.data_ptr()
-        try:
-            err = _cudart().cudaHostRegister(ptr, rows.numel(), 0)
-        except Exception:
-            return False
-        if int(err) != 0:
-            return False
-        self._res.registered_ptr = ptr
-        return True
+    def _reserved(
+        self, nbytes: int, check_memory: bool, shm_dir: str | os.PathLike[str]
+    ) -> contextlib.AbstractContextManager[None]:
+        """While the body allocates ``nbytes``: reserved in the machine-wide ledger (:mod:`._reservations`), so
+        pools allocated at the same moment by other processes cannot all pass the memory check."""
+        if not check_memory:
+            return contextlib.nullcontext()
+        plan, row_bytes = self._plan, self._row_bytes
+
+        def refuse(free: int) -> HostMemoryError:
+            try:
+                # free: MemAvailable less what other processes are allocating right now
+                _check_fits("host memory", nbytes, free, plan, row_bytes)
+            except HostMemoryError as exc:
+                return exc
+            return HostMemoryError(f"host pool of {nbytes} bytes does not fit in {free} bytes")
+
+        return reserve_host_memory(nbytes, available_host_memory_bytes, refuse, shm_dir=shm_dir)
+
+    def _pin(self, rows: torch.Tensor) -> None:
+        """Start registering the rows (all of this process's mapping of them) in the background."""
+        if rows.numel() != self._pin_bytes:
+            raise InvalidStateError(f"host pool: {rows.numel()} row bytes mapped, {self._pin_bytes} to register")
+        self._res.registration = HostRegistration(rows.data_ptr(), rows.numel(), rows)
 
     # -- views and properties -------------------------------------------------------------------------
 
@@ -284,8 +308,26 @@ class HostPool:
 
     @property
     def is_pinned(self) -> bool:
-        """Whether the rows are page-locked for fast asynchronous device copies."""
-        return self._pinned
+        """Whether the rows are page-locked now (the background registration has succeeded)."""
+        registration = self._res.registration
+        return registration is not None and registration.pinned
+
+    def wait_pinned(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the background registration; whether the rows are pinned
+        (False at once when the pool is not pinned at all, or the driver refused)."""
+        registration = self._res.registration
+        return registration is not None and registration.wait(timeout)
+
+    @property
+    def pin_bytes(self) -> int:
+        """Bytes this process page-locks with CUDA (or would): exactly its mapping of the rows."""
+        return self._pin_bytes
+
+    @property
+    def pin_error(self) -> str | None:
+        """Why the registration failed, if it did."""
+        registration = self._res.registration
+        return None if registration is None else registration.error
 
     @property
     def writes(self) -> bool:

@@ -2,19 +2,18 @@
 
 The names below are the surface (``__all__``); the modules behind them are private:
 
-* ``_placement`` - where each offloaded layer's page lives in engine memory and in the host per-block slot
-  (:func:`build_transfer_layout`, :func:`transfer_layout_from_config`).
+* :mod:`kvoffload._placement` (torch-free, shared with the scheduler side's checks) - where each offloaded
+  layer's page lives in engine memory and in the host per-block slot (:func:`build_transfer_layout`,
+  :func:`transfer_layout_from_config`).
 * ``_runs`` - one job's coalesced byte runs (:func:`build_copy_runs`) and the sub-blocks it touches
   (:func:`build_block_slots`, for the integrity table).
 * ``_backend`` / ``_cpu`` (with ``_views``) / ``_cuda`` - the :class:`CopyBackend` protocol and its CPU (threads) and
-  CUDA (streams) implementations.
+  CUDA (streams) implementations; the CUDA one plans in ``_cuda_plan`` (numpy), issues with ``_cuda_ops`` and
+  has an optional zero-copy Triton kernel in ``_cuda_kernel``.
 * ``_engine`` - :class:`CopyEngine`, the facade a worker uses: validate, plan, submit, poll.
 """
 
-from kvoffload.offload.worker.copy._backend import CopyBackend, Direction
-from kvoffload.offload.worker.copy._engine import CopyEngine
-from kvoffload.offload.worker.copy._job import CopyJob
-from kvoffload.offload.worker.copy._placement import (
+from kvoffload._placement import (
     CopySegment,
     GroupLayout,
     KVCacheTensorLike,
@@ -23,6 +22,9 @@ from kvoffload.offload.worker.copy._placement import (
     build_transfer_layout,
     transfer_layout_from_config,
 )
+from kvoffload.offload.worker.copy._backend import CopyBackend, Direction
+from kvoffload.offload.worker.copy._engine import CopyEngine
+from kvoffload.offload.worker.copy._job import CopyJob
 from kvoffload.offload.worker.copy._runs import CopyRuns, IdsLike, build_block_slots, build_copy_runs
 
 __all__ = [

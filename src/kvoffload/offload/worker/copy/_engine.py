@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from kvoffload._generated import JobResult
+from kvoffload._placement import TransferLayout
 from kvoffload.errors import ConfigError, InvalidStateError, TransferError
 from kvoffload.offload.pool import BlockSlots, HostPool
 from kvoffload.offload.worker.copy._backend import CopyBackend, Direction, Integrity
@@ -14,7 +15,6 @@ from kvoffload.offload.worker.copy._cpu import CpuBackend
 from kvoffload.offload.worker.copy._cuda import CudaBackend
 from kvoffload.offload.worker.copy._job import CopyJob
 from kvoffload.offload.worker.copy._native import KERNEL, NativeKernel
-from kvoffload.offload.worker.copy._placement import TransferLayout
 from kvoffload.offload.worker.copy._runs import CopyRuns, IdsLike, build_block_slots, build_copy_runs
 
 __all__ = ["CopyEngine"]

@@ -17,9 +17,11 @@ import numpy as np
 
 from kvoffload.errors import ConfigError
 
-__all__ = ["KERNEL", "NativeKernel", "load_kernel"]
+__all__ = ["KERNEL", "NativeKernel", "load_kernel", "load_kernels"]
 
-_ABI_VERSION = 2
+_ABI_VERSION = 3
+_BUILDS = (("_kvcopy_avx512", "kvcopy_cpu_has_avx512"), ("_kvcopy_avx2", "kvcopy_cpu_has_avx2"))
+"""The wider builds, widest first, each with the baseline build's probe saying whether this CPU can run it."""
 _I64P = ctypes.POINTER(ctypes.c_int64)
 _U8P = ctypes.POINTER(ctypes.c_uint8)
 _U64P = ctypes.POINTER(ctypes.c_uint64)
@@ -110,24 +112,35 @@ def _library(name: str) -> Path | None:
     return None
 
 
-def load_kernel() -> NativeKernel | None:
-    """The best built kernel for this CPU (AVX2 when it has it), or None (not built, or turned off)."""
+def load_kernels() -> list[NativeKernel]:
+    """Every built kernel this CPU can run, widest first (AVX-512F, AVX2, baseline); empty when none was built
+    or ``KVOFFLOAD_NATIVE_COPY=0``. The tests run each against the reference."""
     if os.environ.get("KVOFFLOAD_NATIVE_COPY", "1") == "0":
-        return None
+        return []
     base_path = _library("_kvcopy")
     if base_path is None:
-        return None
+        return []
     try:
         base = ctypes.CDLL(str(base_path))
         if int(base.kvcopy_abi_version()) != _ABI_VERSION:
-            return None
-        chosen, path = base, base_path
-        avx2_path = _library("_kvcopy_avx2")
-        if avx2_path is not None and int(base.kvcopy_cpu_has_avx2()):
-            chosen, path = ctypes.CDLL(str(avx2_path)), avx2_path
-        return NativeKernel(chosen, path)
+            return []
+        kernels = []
+        for name, probe in _BUILDS:
+            path = _library(name)
+            if path is not None and int(getattr(base, probe)()):
+                lib = ctypes.CDLL(str(path))
+                if int(lib.kvcopy_abi_version()) == _ABI_VERSION:
+                    kernels.append(NativeKernel(lib, path))
+        return [*kernels, NativeKernel(base, base_path)]
     except (OSError, AttributeError):
-        return None
+        return []
+
+
+def load_kernel() -> NativeKernel | None:
+    """The widest built kernel this CPU can run (AVX-512F, else AVX2, else the baseline), or None (not built,
+    or turned off)."""
+    kernels = load_kernels()
+    return kernels[0] if kernels else None
 
 
 KERNEL: NativeKernel | None = load_kernel()

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 
 from kvoffload._ints import cdiv, check_int
+from kvoffload._placement import TransferLayout
 from kvoffload.errors import ConfigError
 from kvoffload.offload.pool import BlockSlots, IntegrityTable
-from kvoffload.offload.worker.copy._placement import TransferLayout
 
 __all__ = ["CopyRuns", "IdsLike", "JobBlocks", "build_block_slots", "build_copy_runs"]
 

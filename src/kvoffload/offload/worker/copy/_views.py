@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvoffload.offload.worker.copy._placement import GroupLayout, TransferLayout
+from kvoffload._placement import GroupLayout, TransferLayout
 from kvoffload.offload.worker.copy._runs import JobBlocks
 
 __all__ = ["BlockViews", "ViewJob"]
