@@ -305,15 +305,20 @@ FUTURE_MINOR = MINOR + 1
 FUTURE_VERSION = f"{MAJOR}.{FUTURE_MINOR}"
 
 
+_FLUSH_TIERS = (
+    '{ name = "flush_tiers", type = "bool", default = false, since = "1.4", doc = "The host pool was reset: finish '
+    'every tier job in flight before anything else this step (their host rows may be reused)." }'
+)
+
+
 def future_schema() -> MaterializedSchema:
     """The current schema plus a future minor's appended fields (each with `since` and a default)."""
     text = SCHEMA_TEXT.replace(f'version = "{SCHEMA_VERSION}"', f'version = "{FUTURE_VERSION}"', 1)
     since = f'since = "{FUTURE_VERSION}"'
-    # Append after StepPlan's last field (tier_jobs, 1.3).
+    # Append after StepPlan's last field (flush_tiers, 1.4).
     text = text.replace(
-        '{ name = "tier_jobs", type = "list<TierJob>", default = "empty", since = "1.3", doc = "Secondary-tier '
-        'cascades and promotions to start (tiering)." },',
-        '{ name = "tier_jobs", type = "list<TierJob>", default = "empty", since = "1.3", doc = "Tiers." },\n'
+        f"{_FLUSH_TIERS},",
+        '{ name = "flush_tiers", type = "bool", default = false, since = "1.4", doc = "Reset." },\n'
         f'  {{ name = "priority", type = "int", default = 0, {since}, doc = "New in the future." }},\n'
         f'  {{ name = "tags", type = "list<str>", default = "empty", {since}, doc = "New too." }},',
     )
@@ -330,14 +335,18 @@ def future_schema() -> MaterializedSchema:
 
 def past_schema() -> MaterializedSchema:
     """The current schema as an older build that did not have StepPlan.flush (nor the later tier_jobs) yet."""
-    text = SCHEMA_TEXT.replace(
-        '  { name = "flush", type = "array<int64>", default = "empty", doc = "Jobs to finish before this '
-        "step's blocks are reused.\" },\n",
-        "",
-    ).replace(
-        '  { name = "tier_jobs", type = "list<TierJob>", default = "empty", since = "1.3", doc = "Secondary-tier '
-        'cascades and promotions to start (tiering)." },\n',
-        "",
+    text = (
+        SCHEMA_TEXT.replace(
+            '  { name = "flush", type = "array<int64>", default = "empty", doc = "Jobs to finish before this '
+            "step's blocks are reused.\" },\n",
+            "",
+        )
+        .replace(
+            '  { name = "tier_jobs", type = "list<TierJob>", default = "empty", since = "1.3", doc = "Secondary-tier '
+            'cascades and promotions to start (tiering)." },\n',
+            "",
+        )
+        .replace(f"  {_FLUSH_TIERS},\n", "")
     )
     schema = load_schema_text(text, file="past.toml")
     assert "flush" not in {f.name for f in schema.structs["StepPlan"].fields}

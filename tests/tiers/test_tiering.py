@@ -260,6 +260,64 @@ def test_server_killed_mid_run_never_hangs_and_never_serves_bad_bytes(valkey_ser
         engine.close()
 
 
+def _until_promotion_queued(engine: _Engine, req: str) -> None:
+    """Ask (RETRY while the tier query runs) until the lookup has queued a promotion (HIT_PENDING)."""
+    for _ in range(400):
+        assert engine.sched.lookup(req, 0) is None
+        if engine.tiering._promoting.get(req):
+            return
+        time.sleep(0.005)
+    raise AssertionError("no promotion was queued")
+
+
+def test_reset_drops_promotions_not_yet_sent(tmp_path: Path) -> None:
+    first = _Engine(_fs(tmp_path))
+    try:
+        first.compute("A", TOKENS, list(range(8)), seed=1)
+    finally:
+        first.close()
+    second = _Engine(_fs(tmp_path))
+    try:
+        second.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
+        _until_promotion_queued(second, "B")
+        second.sched.reset()
+        plan = second.sched.build_step_plan()
+        assert plan.tier_jobs == (), "a promotion queued before the reset must never reach the workers"
+        assert not second.sched.has_pending_work() and not second.manager.has_pending_work()
+    finally:
+        second.close()
+
+
+def test_reset_drains_tier_io_and_tier_only_chunks_miss_until_then(tmp_path: Path) -> None:
+    """A promotion in flight at the reset writes into rows the reset freed: the next plan has every worker finish
+    it first (``flush_tiers``), and until it has reported, a chunk only the tier holds is a MISS."""
+    first = _Engine(_fs(tmp_path))
+    try:
+        first.compute("A", TOKENS, list(range(8)), seed=1)
+    finally:
+        first.close()
+    second = _Engine(_fs(tmp_path))
+    try:
+        second.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
+        _until_promotion_queued(second, "B")
+        plan = wire.decode(wire.encode(second.sched.build_step_plan())).expect(StepPlan)
+        assert plan.tier_jobs and not plan.flush_tiers
+        second.worker.start_step(plan)  # the promotion is in flight on the worker
+        second.worker.end_step(plan)
+        second.sched.reset()
+        assert second.sched.lookup("B", 0) == 0, "tier-only chunks MISS until the reset is flushed"
+        flush = wire.decode(wire.encode(second.sched.build_step_plan())).expect(StepPlan)
+        assert flush.flush_tiers and flush.tier_jobs == ()
+        second.worker.start_step(flush)
+        assert second.tiers.tiers[0].in_flight() == 0, "the worker finished the stale promotion first"
+        second.worker.end_step(flush)
+        second.sched.on_worker_reports([second.worker.drain(flush.step, 30)])
+        assert not second.sched.has_pending_work()
+        assert second.lookup("B") > 0, "once flushed, the tier serves again"
+    finally:
+        second.close()
+
+
 def test_reset_forgets_what_backpressure_learned(tmp_path: Path) -> None:
     """vLLM's reset_cache starts the tiers' backpressure over: pressure, EMA and drop counters."""
     pressure = BackpressureConfig(

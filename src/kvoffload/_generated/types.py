@@ -14,7 +14,7 @@ from kvoffload._packed import Int32Bytes, Int64Bytes
 
 SCHEMA_NAME: Final = "kvoffload"
 SCHEMA_VERSION: Final = "1.4"
-SCHEMA_FINGERPRINT: Final = "e7afa74a229084a8"
+SCHEMA_FINGERPRINT: Final = "b76fb2001b5c2c86"
 
 
 class DType(enum.StrEnum):
@@ -877,6 +877,11 @@ class StepPlan(
 
     tier_jobs: tuple[TierJob, ...] = ()
     """Secondary-tier cascades and promotions to start (tiering). (since 1.3)"""
+
+    flush_tiers: bool = False
+    """The host pool was reset: finish every tier job in flight before anything else this step (their
+    host rows may be reused). (since 1.4)
+    """
 
 
 class JobResult(

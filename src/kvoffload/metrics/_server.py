@@ -147,8 +147,7 @@ class MetricsServer:
                     sock = key.fileobj
                     if sock is listener:
                         self._accept(listener, selector, waiting)
-                    elif sock is not self._wake_r:
-                        assert isinstance(sock, socket.socket)
+                    elif sock is not self._wake_r and isinstance(sock, socket.socket):
                         self._read(sock, selector, waiting)
                 now = time.monotonic()
                 for sock in [s for s, w in waiting.items() if w.deadline <= now]:

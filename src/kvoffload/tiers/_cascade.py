@@ -166,6 +166,7 @@ class Tiering:
         self._next_tier_job = 0
         self._queued_tier_jobs: list[TierJob] = []
         self._cascade_queue: list[OffloadKey] = []
+        self._fence: set[int] = set()  # stale tier jobs in flight since a reset
         self._counters = {"tier_lookups_retry": 0, "promotions_refused": 0, "tier_hits": 0}
         self._poll_s = tiering.tier_poll_interval_s
 
@@ -174,8 +175,8 @@ class Tiering:
     def defer_lookup(self, req_id: str, keys: Sequence[Sequence[OffloadKey]], num_computed_tokens: int) -> bool:
         """Ask the tiers for chunks the host pool misses: True (ask again later) while a tier query runs
         (RETRY) or a promotion is in flight (HIT_PENDING)."""
-        if not self._lookup_tiers:
-            return False
+        if not self._lookup_tiers or self._fence:
+            return False  # no tiers, or a reset not yet flushed: the host pool answers alone
         if self._promoting.get(req_id):
             return True
         query = self._queries.get(req_id)
@@ -336,6 +337,7 @@ class Tiering:
 
     def _finish_tier_job(self, state: _TierJobState) -> None:
         del self._tier_jobs[state.job.job_id]
+        self._fence.discard(state.job.job_id)
         job = state.job
         row = self.stats[job.tier]
         keys = [OffloadKey(key) for key in job.keys]  # the wire type holds plain bytes
@@ -376,14 +378,29 @@ class Tiering:
 
     def has_pending_work(self) -> bool:
         """Tier jobs in flight, cascades still to plan, or tier queries running."""
-        return bool(self._tier_jobs or self._cascade_queue or self._queries)
+        return bool(self._tier_jobs or self._cascade_queue or self._queries or self._fence)
 
     def reset(self) -> None:
-        """vLLM ``reset_cache``: in-flight tier jobs become stale (their results no longer touch the pool)."""
+        """vLLM ``reset_cache``: tier jobs not yet sent are dropped (the reset frees their chunks), jobs in flight
+        become stale (their results no longer touch the pool; the next plan has the workers finish them first),
+        and until every stale job has reported, lookups answer from the host pool alone (a chunk only a tier
+        holds is a MISS), as vLLM holds promotions until the reset is flushed."""
+        unsent = {job.job_id for job in self._queued_tier_jobs}
+        self._queued_tier_jobs = []
+        for job_id in unsent:
+            state = self._tier_jobs.pop(job_id)
+            if state.req_id is not None:
+                jobs = self._promoting.get(state.req_id)
+                if jobs is not None:
+                    jobs.discard(job_id)
+                    if not jobs:
+                        del self._promoting[state.req_id]
         for state in self._tier_jobs.values():
             state.stale = True
+        self._fence = set(self._tier_jobs)
         self._cascade_queue.clear()
         self._queried.clear()
+        self._queries.clear()
         for detector in self._detectors:
             detector.reset()
 

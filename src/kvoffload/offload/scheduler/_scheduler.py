@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import msgspec
+
 from kvoffload._generated import (
     BlockRemoved,
     BlockStored,
@@ -78,6 +80,7 @@ class OffloadScheduler:
         self._lookups = Lookups(book)
         self._transfers = Transfers(book, offload_prompt_only=offload_prompt_only, null_block_id=null_block_id)
         self._reports = Reports(book, self._transfers, self._store_completed)
+        self._flush_tiers = False
         self.world_size = book.world_size
 
     @property
@@ -184,6 +187,7 @@ class OffloadScheduler:
         """Drop every stored chunk (vLLM ``reset_cache``): in-flight jobs are flushed and become stale."""
         if self.extension is not None:
             self.extension.reset()
+            self._flush_tiers = True  # the workers finish their tier IO before the freed rows are reused
         for req in self._book.requests.values():
             self._book.release_pins(req)
             req.next_stored = [0 for _ in self._book.groups]
@@ -258,7 +262,11 @@ class OffloadScheduler:
         """The StepPlan for this step: queued loads, stores of newly complete chunks, flushes, tier jobs."""
         # The extension plans first: chunks it pins are then safe from this step's store evictions.
         tier_jobs = self.extension.plan_tier_jobs() if self.extension is not None else ()
-        return self._transfers.build_step_plan(tier_jobs)
+        plan = self._transfers.build_step_plan(tier_jobs)
+        if self._flush_tiers:
+            self._flush_tiers = False
+            plan = msgspec.structs.replace(plan, flush_tiers=True)
+        return plan
 
     # ------------------------------------------------------------------------------------ reports
 

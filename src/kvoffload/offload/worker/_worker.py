@@ -50,7 +50,10 @@ class OffloadWorker:
         return frozenset(self._in_flight)
 
     def start_step(self, plan: StepPlan) -> None:
-        """Before the forward pass: submit deferred stores, honour flushes, then submit this step's loads."""
+        """Before the forward pass: finish tier IO after a reset, submit deferred stores, honour flushes, then
+        submit this step's loads."""
+        if plan.flush_tiers and self.tiers is not None:
+            self.tiers.wait()  # the reset freed the rows stale tier jobs still read or write
         self._submit_deferred()
         if plan.flush:
             self.engine.wait(Int64Array.from_buffer(plan.flush).tolist())

@@ -245,9 +245,8 @@ class CudaBackend:
         out: list[JobResult] = []
         for direction in (Direction.STORE, Direction.LOAD):
             jobs = self._jobs[direction]
-            while jobs and jobs[0].result is not None:
-                result = jobs.popleft().result
-                assert result is not None
+            while jobs and (result := jobs[0].result) is not None:
+                jobs.popleft()
                 out.append(result)
         return out
 
