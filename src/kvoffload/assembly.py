@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["WorkerParts", "build_scheduler", "build_worker", "decode_extra_config", "tiering_of"]
 
-_TIER_KEYS = frozenset({"secondary_tiers", "backpressure", "tier_poll_interval_s"})
+_TIER_KEYS = frozenset({"secondary_tiers", "backpressure", "tier_poll_interval_s", "start_degraded"})
 
 
 def decode_extra_config(extra: Mapping[str, object]) -> VLLMConnectorConfig:
@@ -58,6 +58,7 @@ def decode_extra_config(extra: Mapping[str, object]) -> VLLMConnectorConfig:
         secondary_tiers=tiering.secondary_tiers,
         backpressure=tiering.backpressure,
         tier_poll_interval_s=tiering.tier_poll_interval_s,
+        start_degraded=tiering.start_degraded,
     )
 
 
@@ -67,6 +68,7 @@ def tiering_of(options: VLLMConnectorConfig) -> TieringConfig:
         secondary_tiers=options.secondary_tiers,
         backpressure=options.backpressure,
         tier_poll_interval_s=options.tier_poll_interval_s,
+        start_degraded=options.start_degraded,
     )
 
 

@@ -488,3 +488,44 @@ def test_corrupted_host_row_is_never_cascaded_and_promotions_are_sealed(tmp_path
             other.close()
     finally:
         engine.close()
+
+
+def test_an_unusable_tier_fails_start_with_one_line_unless_told_to_start_degraded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A mistyped root_dir (here under a regular file) or a Valkey server that is not there fails at start,
+    naming the tier, instead of every cascade failing silently later."""
+    import logging
+    import socket
+
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"not a directory")
+    config = translate_snapshot(default_snapshot(workers=1, num_blocks=NUM_BLOCKS, cpu_bytes=16 * CHUNK))
+    manager = HostBlockManager(plan_host_pool_from_config(config).num_chunks)
+    bad_fs = FsTierConfig(root_dir=str(blocker / "kv"))
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\] \(fs\) is unusable: .*start_degraded"):
+        Tiering(config, manager, TieringConfig(secondary_tiers=(bad_fs,)))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # nothing listens there once the probe is closed
+    bad_valkey = ValkeyTierConfig(url=f"valkey://127.0.0.1:{port}/0")
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\] \(valkey\) is unusable: valkey tier cannot reach"):
+        Tiering(config, manager, TieringConfig(secondary_tiers=(bad_valkey,)))
+    with caplog.at_level(logging.WARNING, logger="kvoffload.tiers._cascade"):
+        degraded = Tiering(config, manager, TieringConfig(secondary_tiers=(bad_fs,), start_degraded=True))
+    try:
+        assert any(
+            "starting degraded" in r.getMessage() and "(fs) is unusable" in r.getMessage() for r in caplog.records
+        )
+    finally:
+        degraded.close()
+    assert decode_start_degraded()
+
+
+def decode_start_degraded() -> bool:
+    """The flag travels in kv_connector_extra_config with vLLM's other tier keys."""
+    from kvoffload import decode_extra_config
+    from kvoffload.assembly import tiering_of
+
+    options = decode_extra_config({"cpu_bytes_to_use": 1 << 20, "start_degraded": True})
+    return options.start_degraded and tiering_of(options).start_degraded

@@ -14,7 +14,7 @@ from kvoffload._packed import Int32Bytes, Int64Bytes
 
 SCHEMA_NAME: Final = "kvoffload"
 SCHEMA_VERSION: Final = "1.4"
-SCHEMA_FINGERPRINT: Final = "b76fb2001b5c2c86"
+SCHEMA_FINGERPRINT: Final = "07e3dd11fd149dec"
 
 
 class DType(enum.StrEnum):
@@ -1153,6 +1153,9 @@ class VLLMConnectorConfig(
     1.4)
     """
 
+    start_degraded: bool = False
+    """Start even when a tier is unusable at start (see TieringConfig). (since 1.4)"""
+
 
 class BackpressureConfig(
     msgspec.Struct,
@@ -1337,6 +1340,11 @@ class TieringConfig(
 
     tier_poll_interval_s: float = 0.001
     """How long a lookup waits for a fresh tier query before answering RETRY; <= 0 never waits."""
+
+    start_degraded: bool = False
+    """Start even when a tier is unusable at start (a WARNING names it; it is retried later) instead of
+    failing with one line. (since 1.4)
+    """
 
 
 class TierJob(

@@ -189,6 +189,13 @@ class TierBase:
         """False while the tier backs off after a fault; the first operation after the back-off probes it."""
         return time.monotonic() >= self._down_until
 
+    def probe(self) -> str | None:
+        """Why the tier cannot be used right now (None: it can), asking the medium where that is cheap."""
+        if self.available:
+            return None
+        with self._lock:
+            return self._stats.last_error or "unavailable"
+
     def _mark_down(self, exc: BaseException) -> None:
         """A fault: the tier backs off. Faults of operations already in flight when it went down (several
         batches of one job, concurrent jobs) belong to the same outage and neither extend nor double the

@@ -26,6 +26,7 @@ are polled at each step.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -44,16 +45,18 @@ from kvoffload._generated import (
     WorkerReport,
 )
 from kvoffload._packed import Int32Array, pack_int64
-from kvoffload.errors import InvalidStateError
+from kvoffload.errors import ConfigError, InvalidStateError
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.manager import HostBlockManager
 from kvoffload.tiers._backpressure import EMABackpressureDetector, resolve_backpressure
-from kvoffload.tiers._base import SecondaryTier
+from kvoffload.tiers._base import SecondaryTier, TierBase
 from kvoffload.tiers._config import open_tier
 from kvoffload.tiers._namespace import namespaces_for_all_ranks
 from kvoffload.tiers._valkey import EmbeddedValkey
 
 __all__ = ["TierStatsRow", "Tiering", "start_embedded_servers"]
+
+logger = logging.getLogger(__name__)
 
 
 def start_embedded_servers(
@@ -73,6 +76,14 @@ def start_embedded_servers(
             tier = msgspec.structs.replace(tier, url=server.url)
         tiers.append(tier)
     return msgspec.structs.replace(tiering, secondary_tiers=tuple(tiers)), servers
+
+
+def _unusable(tier: SecondaryTier) -> str | None:
+    """Why ``tier`` cannot be used now (None: it can): a built-in tier probes its medium, any other tier is
+    asked whether it is available."""
+    if isinstance(tier, TierBase):
+        return tier.probe()
+    return None if tier.available else "the tier reports itself unavailable"
 
 
 def _tier_type(config: SecondaryTierConfig) -> str:
@@ -150,6 +161,7 @@ class Tiering:
         try:
             for tier_config in tiering.secondary_tiers:
                 self._lookup_tiers.append([open_tier(tier_config, ns, lookups_only=True) for ns in namespaces])
+            self._check_usable(tiering)
         except BaseException:
             self.close()
             raise
@@ -169,6 +181,18 @@ class Tiering:
         self._fence: set[int] = set()  # stale tier jobs in flight since a reset
         self._counters = {"tier_lookups_retry": 0, "promotions_refused": 0, "tier_hits": 0}
         self._poll_s = tiering.tier_poll_interval_s
+
+    def _check_usable(self, tiering: TieringConfig) -> None:
+        """Refuse to start on a tier that cannot be used now (a mistyped path, a server that is not there), in
+        one line naming it, unless ``start_degraded`` asks to start anyway (a WARNING; it is retried later)."""
+        for i, (config, per_rank) in enumerate(zip(tiering.secondary_tiers, self._lookup_tiers, strict=True)):
+            reason = _unusable(per_rank[0]) if per_rank else None
+            if reason is None:
+                continue
+            what = f"secondary_tiers[{i}] ({_tier_type(config)}) is unusable: {reason}"
+            if not tiering.start_degraded:
+                raise ConfigError(f"{what} (set start_degraded to start without it)")
+            logger.warning("%s; starting degraded (start_degraded), it is retried later", what)
 
     # ------------------------------------------------------------------------------------ lookups
 

@@ -78,7 +78,9 @@ def tiering_config_from_extra(extra: Mapping[str, object]) -> TieringConfig:
                 f"({', '.join(s + '...' for s in VALKEY_SCHEMES)})"
             )
         tiers.append(tier)
-    top: dict[str, object] = {k: extra[k] for k in ("backpressure", "tier_poll_interval_s") if k in extra}
+    top: dict[str, object] = {
+        k: extra[k] for k in ("backpressure", "tier_poll_interval_s", "start_degraded") if k in extra
+    }
     try:
         rest = msgspec.convert(top, TieringConfig, strict=False)
     except msgspec.ValidationError as exc:

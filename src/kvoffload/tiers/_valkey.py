@@ -257,6 +257,18 @@ class ValkeyTier(TierBase):
                 raise TierError(f"valkey tier cannot reach {self.url}: {exc}") from exc
         return self._client
 
+    def probe(self) -> str | None:
+        """Why the server cannot be used: it is backing off, or a PING does not come back (None: it can)."""
+        reason = super().probe()
+        if reason is not None:
+            return reason
+        try:
+            self._conn().ping()
+        except (TierError, *_ERRORS) as exc:
+            self._mark_down(exc)
+            return f"valkey tier cannot reach {self.url}: {exc}"
+        return None
+
     def _batches(self, n: int, direction: Direction) -> list[range]:
         step = self.batch_size
         return [range(i, min(n, i + step)) for i in range(0, n, step)]
