@@ -192,10 +192,11 @@ def test_demo_small_run_verifies_every_reload() -> None:
 
 def test_worker_failure_reaches_the_scheduler_with_its_cause() -> None:
     """A ConfigError only a worker can see (its hook refuses its options when the worker starts) names rank and
-    cause. (A snapshot whose tensors are too small for its layers no longer gets that far: it is refused before
-    spawning, see below.)"""
+    cause. Both workers refuse the same options; the start-up waits on all of them at once, so whichever reports
+    first is named. (A snapshot whose tensors are too small for its layers no longer gets that far: it is refused
+    before spawning, see below.)"""
     cluster = WorkerCluster(small_snapshot(), hook=HOOK, hook_options={"memcpy_probe_bytes": -1}, start_timeout_s=60)
-    with pytest.raises(WorkerError, match=r"worker 0 failed at step 0: ConfigError: memcpy_probe_bytes=-1 must be"):
+    with pytest.raises(WorkerError, match=r"worker [01] failed at step 0: ConfigError: memcpy_probe_bytes=-1 must be"):
         cluster.start()
     assert not mp.active_children()
 
