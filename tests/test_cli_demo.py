@@ -12,7 +12,7 @@ from kvoffload import ConfigError, codecs
 from kvoffload._cli import main, parse_size
 from kvoffload.demo import DemoOptions, default_snapshot, run_demo
 from kvoffload.demo.workload import BlockPool
-from tests.helpers import with_default_sigint
+from tests.helpers import child_pids, process_gone, with_default_sigint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,31 +64,6 @@ def test_worker_timeout_option(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--worker-timeout=0.0 must be" in capsys.readouterr().err
 
 
-def _workers(pid: int) -> set[int]:
-    """The spawned worker processes of ``pid`` (not multiprocessing's resource tracker)."""
-    found = set()
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children = (task / "children").read_text().split()
-        except OSError:
-            continue
-        for child in children:
-            try:
-                if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                    found.add(int(child))
-            except OSError:
-                continue
-    return found
-
-
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state in ("Z", "X")
-
-
 @pytest.mark.slow
 def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(tmp_path: Path) -> None:
     """SIGINT to the whole process group, as a terminal's Ctrl-C does, in the middle of a run."""
@@ -111,7 +86,7 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(tmp_path: Path) -> No
         deadline = time.monotonic() + 120
         workers: set[int] = set()
         while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            workers = _workers(proc.pid)
+            workers = child_pids(proc.pid, b"spawn_main")
             time.sleep(0.05)
         assert len(workers) == 2, "the demo did not start its workers"
         time.sleep(2.0)  # let it get into its steps (what is asserted below holds at any moment)
@@ -123,7 +98,7 @@ def test_ctrl_c_exits_130_with_one_line_and_leaves_nothing(tmp_path: Path) -> No
             proc.wait()
     assert proc.returncode == 130, err
     assert err == "error: interrupted\n"
-    assert all(_gone(pid) for pid in workers)
+    assert all(process_gone(pid) for pid in workers)
     assert not list(Path("/dev/shm").glob(f"kvoffload_*.pid{proc.pid}.mmap"))
 
 

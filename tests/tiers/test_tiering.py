@@ -108,6 +108,15 @@ def _fs(root: Path, **kw: object) -> TieringConfig:
     return TieringConfig(secondary_tiers=(FsTierConfig(root_dir=str(root), n_read_threads=2, n_write_threads=2),), **kw)  # type: ignore[arg-type]
 
 
+def _fill_disk(root: Path, seed: int) -> None:
+    """A first engine computes the 8-chunk prompt and cascades it to a disk tier in ``root``, then goes."""
+    first = _Engine(_fs(root))
+    try:
+        first.compute("A", TOKENS, list(range(8)), seed=seed)
+    finally:
+        first.close()
+
+
 def _reload(engine: _Engine, req: str = "B") -> tuple[int, list[torch.Tensor]]:
     engine.sched.add_request(req, hash_token_blocks(TOKENS, 16), len(TOKENS))
     hit = engine.lookup(req)
@@ -140,11 +149,7 @@ def test_cascade_then_restart_promotes_from_disk_byte_exact(tmp_path: Path) -> N
 
 
 def test_host_full_is_a_miss(tmp_path: Path) -> None:
-    first = _Engine(_fs(tmp_path))
-    try:
-        first.compute("A", TOKENS, list(range(8)), seed=1)
-    finally:
-        first.close()
+    _fill_disk(tmp_path, seed=1)
     small = _Engine(_fs(tmp_path), host_chunks=2)
     try:
         hit, _ = _reload(small)
@@ -271,11 +276,7 @@ def _until_promotion_queued(engine: _Engine, req: str) -> None:
 
 
 def test_reset_drops_promotions_not_yet_sent(tmp_path: Path) -> None:
-    first = _Engine(_fs(tmp_path))
-    try:
-        first.compute("A", TOKENS, list(range(8)), seed=1)
-    finally:
-        first.close()
+    _fill_disk(tmp_path, seed=1)
     second = _Engine(_fs(tmp_path))
     try:
         second.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
@@ -291,11 +292,7 @@ def test_reset_drops_promotions_not_yet_sent(tmp_path: Path) -> None:
 def test_reset_drains_tier_io_and_tier_only_chunks_miss_until_then(tmp_path: Path) -> None:
     """A promotion in flight at the reset writes into rows the reset freed: the next plan has every worker finish
     it first (``flush_tiers``), and until it has reported, a chunk only the tier holds is a MISS."""
-    first = _Engine(_fs(tmp_path))
-    try:
-        first.compute("A", TOKENS, list(range(8)), seed=1)
-    finally:
-        first.close()
+    _fill_disk(tmp_path, seed=1)
     second = _Engine(_fs(tmp_path))
     try:
         second.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
@@ -365,11 +362,7 @@ def test_config_from_extra_is_strict_and_names_the_tier() -> None:
 
 
 def test_an_engine_with_another_layout_never_reads_the_records(tmp_path: Path) -> None:
-    first = _Engine(_fs(tmp_path))
-    try:
-        first.compute("A", TOKENS, list(range(8)), seed=1)
-    finally:
-        first.close()
+    _fill_disk(tmp_path, seed=1)
     other = _Engine(_fs(tmp_path), model="another/model")
     try:
         hit, _ = _reload(other)
@@ -380,11 +373,7 @@ def test_an_engine_with_another_layout_never_reads_the_records(tmp_path: Path) -
 
 
 def test_a_query_answered_within_the_poll_interval_skips_retry(tmp_path: Path) -> None:
-    first = _Engine(_fs(tmp_path))
-    try:
-        first.compute("A", TOKENS, list(range(8)), seed=1)
-    finally:
-        first.close()
+    _fill_disk(tmp_path, seed=1)
     second = _Engine(_fs(tmp_path, tier_poll_interval_s=30.0))  # returns as soon as the query is answered
     try:
         second.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
@@ -429,11 +418,7 @@ def test_promotion_from_a_valkey_cluster(valkey_cluster: list[ValkeyServer]) -> 
 
 
 def test_failing_tier_jobs_of_a_dead_worker_frees_promotions_and_pins(tmp_path: Path) -> None:
-    first = _Engine(_fs(tmp_path))
-    try:
-        first.compute("A", TOKENS, list(range(8)), seed=1)
-    finally:
-        first.close()
+    _fill_disk(tmp_path, seed=1)
     second = _Engine(_fs(tmp_path))
     try:
         second.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))

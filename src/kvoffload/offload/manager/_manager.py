@@ -195,7 +195,7 @@ class HostBlockManager:
         if misses:
             table.policy.on_store_miss(misses)
         self._alloc_sizes.add(n)
-        evicted_keys = table.evict_for(n, set(keys))
+        evicted_keys = table.evict_for(n, keys)
         if evicted_keys is None:
             return None
         if evicted_keys:

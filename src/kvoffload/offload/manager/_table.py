@@ -213,7 +213,7 @@ class ChunkTable:
 
     # ------------------------------------------------------------------ writes (the manager decides when)
 
-    def evict_for(self, n: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
+    def evict_for(self, n: int, protected: Sequence[OffloadKey]) -> list[OffloadKey] | None:
         """Make room for ``n`` new chunks, evicting ready, unpinned keys outside ``protected`` as the policy
         chooses; the evicted keys, or None (nothing changed) when not enough can be evicted."""
         need = n - (len(self._free) + self._num_chunks - self._next_fresh)
@@ -221,7 +221,7 @@ class ChunkTable:
             return []
         if need > self._evictable:
             return None
-        evicted = self._policy.evict(need, protected)
+        evicted = self._policy.evict(need, set(protected))  # the set only when something must go
         if evicted is None:
             return None
         ref, cid, free = self._ref, self._cid, self._free
