@@ -19,7 +19,15 @@ The machine check hashes a cached buffer on one thread (how fast a core is), the
 as the engine copies with (how many of those cores this run gets: on a shared machine the copies' speed follows
 it; memory bandwidth taken by other tenants shows only in the ``copy_`` column).
 
-    python benchmarks/transfer.py [--pages 32K,256K,2M] [--total-mib 256] [--layers 4] [--repeats 5]
+``--profile`` prints, instead of the table, where a checksummed native CPU job's time goes (the median job of
+``--repeats``, each after the same 50 ms pause): Python before the kernel (submit: checks and the job's blocks;
+the hand-over to the direction's thread; the call into C), the kernel (ordering and cutting the job, each
+thread's busy time and granules, when the helper started, how long the caller waited for it at the end, the
+share of bytes hashed in the copy loop or from memory), Python after it (out of C, seal or verify, publishing
+the result, ``wait()`` returning); then the kernel alone on one thread: copy, copy while hashing, and the hash
+of the same bytes from memory.
+
+    python benchmarks/transfer.py [--pages 32K,256K,2M] [--total-mib 256] [--layers 4] [--repeats 5] [--profile]
 """
 
 from __future__ import annotations
@@ -36,7 +44,9 @@ import xxhash
 
 from kvoffload import KVCacheTensor
 from kvoffload.offload.pool import HostPool, plan_host_pool
-from kvoffload.offload.worker.copy import CopyEngine, _native, build_transfer_layout
+from kvoffload.offload.worker.copy import CopyEngine, _native, build_block_slots, build_transfer_layout
+from kvoffload.offload.worker.copy._cpu import CpuBackend, JobProfile
+from kvoffload.offload.worker.copy._cpu_native import NativeCpuBackend
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _SETTLE_S = 0.05
@@ -87,36 +97,45 @@ def _job(
     engine.wait([job_id])
 
 
+class _Setup:
+    """One page size's engine memory, layout, host pool and job size (as ``bench_page`` lays them out)."""
+
+    def __init__(self, page: int, args: argparse.Namespace, device: torch.device) -> None:
+        layers, bpc = args.layers, args.blocks_per_chunk
+        block_bytes = layers * page
+        self.job_blocks = max(bpc, (args.total_mib << 20) // block_bytes // bpc * bpc)
+        self.num_blocks = 2 * self.job_blocks
+        self.total = self.job_blocks * block_bytes
+        size = self.num_blocks * block_bytes
+        names = tuple(f"layer{i}" for i in range(layers))
+        placement = KVCacheTensor(size=size, layers=names, layer_stride=self.num_blocks * page, block_stride=page)
+        self.layout = build_transfer_layout(
+            [placement],
+            [[(n, page) for n in names]],
+            num_blocks=self.num_blocks,
+            worker_kv_bytes_per_block=block_bytes,
+        )
+        self.plan = plan_host_pool(
+            worker_kv_bytes_per_block=block_bytes,
+            world_size=1,
+            blocks_per_chunk=bpc,
+            cpu_bytes_to_use=3 * self.job_blocks * block_bytes + (1 << 20),
+            replicated=False,
+            rank=0,
+        )
+        self.kv = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device)
+        self.pool = HostPool(self.plan)
+        self.pool.rows.fill_(1)  # fault the pages in before timing
+
+
 def bench_page(
     page: int, args: argparse.Namespace, device: torch.device
 ) -> list[tuple[str, float, float, float, float]]:
     """Return ``(direction, checksummed GB/s, unchecked GB/s, checksummed GB/s of the pure-Python CPU path,
     copy_ GB/s)`` for one page size."""
-    layers, bpc = args.layers, args.blocks_per_chunk
-    block_bytes = layers * page
-    job_blocks = max(bpc, (args.total_mib << 20) // block_bytes // bpc * bpc)
-    num_blocks = 2 * job_blocks
-    total = job_blocks * block_bytes
-    size = num_blocks * block_bytes
-    names = tuple(f"layer{i}" for i in range(layers))
-    placement = KVCacheTensor(size=size, layers=names, layer_stride=num_blocks * page, block_stride=page)
-    layout = build_transfer_layout(
-        [placement],
-        [[(n, page) for n in names]],
-        num_blocks=num_blocks,
-        worker_kv_bytes_per_block=block_bytes,
-    )
-    plan = plan_host_pool(
-        worker_kv_bytes_per_block=block_bytes,
-        world_size=1,
-        blocks_per_chunk=bpc,
-        cpu_bytes_to_use=3 * job_blocks * block_bytes + (1 << 20),
-        replicated=False,
-        rank=0,
-    )
-    kv = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device)
-    pool = HostPool(plan)
-    pool.rows.fill_(1)  # fault the pages in before timing
+    setup = _Setup(page, args, device)
+    bpc, job_blocks, num_blocks, total = args.blocks_per_chunk, setup.job_blocks, setup.num_blocks, setup.total
+    plan, kv, pool, layout = setup.plan, setup.kv, setup.pool, setup.layout
     engine_side = torch.randint(0, 256, (total,), dtype=torch.uint8, device=device)
     host_side = torch.empty(total, dtype=torch.uint8, pin_memory=pool.is_pinned)
     host_side.fill_(1)
@@ -148,6 +167,152 @@ def bench_page(
                     if not result.success or result.num_bytes != total:
                         raise SystemExit(f"job {job} failed: {result}")
     return [(d, *(total / best[d, kind] / 1e9 for kind in ("on", "off", "py", "copy"))) for d in ("store", "load")]
+
+
+def profile_page(page: int, args: argparse.Namespace) -> None:
+    """``--profile``: where a checksummed native job's time goes (CPU), from the backend's :class:`JobProfile`
+    stamps and the kernel's own stats, then the kernel alone on one thread (copy, copy while hashing, hash of
+    the same bytes from memory)."""
+    setup = _Setup(page, args, torch.device("cpu"))
+    plan, pool, job_blocks, total = setup.plan, setup.pool, setup.job_blocks, setup.total
+    rows: dict[str, list[dict[str, float]]] = {"store": [], "load": []}
+    with pool, CopyEngine(setup.kv, setup.layout, pool, cpu_threads=args.threads) as engine:
+        backend = engine._backend
+        if not isinstance(backend, CpuBackend | NativeCpuBackend) or not engine.native:
+            raise SystemExit("--profile needs the CPU engine with the native kernel")
+        in_c = isinstance(backend, NativeCpuBackend)  # the kernel's engine: its own threads, integrity in C
+        backend.profile = []
+        job = 0
+        for _ in range(args.repeats):
+            chunks = torch.randperm(plan.num_chunks)[:job_blocks]
+            tags = torch.randint(1, 1 << 62, (job_blocks,), dtype=torch.int64)
+            block_ids = torch.randperm(setup.num_blocks)[:job_blocks]
+            for is_store in (True, False):
+                job += 1
+                time.sleep(_SETTLE_S)
+                submit = engine.submit_store if is_store else engine.submit_load
+                kw = {"group_sizes": [job_blocks], "block_indices": [0], "block_ids": block_ids}
+                t0 = time.perf_counter_ns()
+                submit(job, chunk_ids=chunks, chunk_tags=tags, **kw)  # type: ignore[arg-type]
+                t1 = time.perf_counter_ns()
+                engine.wait([job])
+                t2 = time.perf_counter_ns()
+                (result,) = engine.poll()
+                record = backend.profile[-1]
+                k = record.kernel
+                if not result.success or k is None:
+                    raise SystemExit(f"job {job} failed: {result}")
+                rows["store" if is_store else "load"].append(_profile_row(record, k, t0, t1, t2))
+        arrays = _kernel_alone(setup, engine)
+    title = f"{page >> 10} KB pages, {total >> 20} MiB per job ({job_blocks} sub-blocks)"
+    print(f"  {title}; µs, the median job of {args.repeats}")
+    for direction, found in rows.items():
+        med = sorted(found, key=lambda r: r["wall"])[len(found) // 2]  # one job's numbers: they add up
+        best = min(r["wall"] for r in found)
+        print(
+            f"    {direction}: wall {med['wall']:.0f} (best {best:.0f}, {total / best / 1e3:.1f} GB/s); "
+            f"kernel {med['kernel']:.0f} ({total / med['kernel'] / 1e3:.1f} GB/s); Python {med['python']:.0f}"
+        )
+        handover = "the engine's thread picks it up" if in_c else "to the direction thread"
+        print(
+            f"      before the kernel: submit (checks, blocks) {med['submit']:.0f}, {handover} {med['queue']:.0f}, "
+            f"to the kernel call {med['to_call']:.0f}, into C {med['ctypes_in']:.0f}, order + cut {med['planning']:.0f}"
+        )
+        print(
+            f"      in the kernel: {med['granules']:.0f} granules; caller busy {med['caller_busy']:.0f} "
+            f"({med['caller_granules']:.0f} granules in {med['caller_takes']:.0f} takes), helper busy "
+            f"{med['helper_busy']:.0f} ({med['helper_granules']:.0f} in {med['helper_takes']:.0f}), helper "
+            f"started {med['helper_wake']:.0f} after the cut, caller waited {med['caller_wait']:.0f} at the end; "
+            f"bytes hashed in the copy loop {med['fused']:.1%}, copied alone {med['plain']:.1%}, hashed from "
+            f"memory {med['memhash']:.1%}; streaming stores {'on' if med['stream'] else 'off'}"
+        )
+        check = "seal" if direction == "store" else "verify"
+        if in_c:  # sealing or verifying is the kernel's last step there
+            after = f"{check} in the kernel; filed {med['integrity']:.0f} after it"
+        else:
+            after = f"out of C {med['ctypes_out']:.0f}, {check} {med['integrity']:.0f}, publish {med['publish']:.0f}"
+        print(f"      after the kernel: {after}, to wait() returning {med['wake']:.0f}")
+    for direction, (copy_us, fused_us, hash_us) in arrays.items():
+        print(
+            f"    kernel alone, one thread, {direction}: copy {copy_us:.0f} ({total / copy_us / 1e3:.1f} GB/s), copy "
+            f"while hashing {fused_us:.0f} (+{fused_us / copy_us - 1:.0%}), hash of the same bytes from memory "
+            f"{hash_us:.0f} ({total / hash_us / 1e3:.1f} GB/s)"
+        )
+
+
+def _profile_row(record: JobProfile, k: dict[str, int], t0: int, t1: int, t2: int) -> dict[str, float]:
+    """One job's profile in µs (and byte shares)."""
+    us = 1e-3
+    moved = max(1, sum(k[f"{w}_{kind}"] for w in ("caller", "helper") for kind in ("fused", "plain")))
+    kernel = (k["exit_ns"] - k["enter_ns"]) * us
+    wall = (t2 - t0) * us
+    return {
+        "wall": wall,
+        "kernel": kernel,
+        "python": wall - kernel,
+        "submit": (t1 - t0) * us,
+        "queue": (record.started - record.submitted) * us,
+        "to_call": (record.copy_entered - record.started) * us,
+        "ctypes_in": (k["enter_ns"] - record.copy_entered) * us,
+        "planning": (k["planned_ns"] - k["enter_ns"]) * us,
+        "granules": k["granules"],
+        "caller_busy": k["caller_busy_ns"] * us,
+        "caller_granules": k["caller_granules"],
+        "caller_takes": k["caller_takes"],
+        "helper_busy": k["helper_busy_ns"] * us,
+        "helper_granules": k["helper_granules"],
+        "helper_takes": k["helper_takes"],
+        "helper_wake": (k["helper_first_ns"] - k["planned_ns"]) * us if k["helper_first_ns"] else float("nan"),
+        "caller_wait": (k["exit_ns"] - k["caller_done_ns"]) * us,
+        "fused": (k["caller_fused"] + k["helper_fused"]) / moved,
+        "plain": (k["caller_plain"] + k["helper_plain"]) / moved,
+        "memhash": (k["caller_memhash"] + k["helper_memhash"]) / moved,
+        "stream": k["stream"],
+        "ctypes_out": (record.copy_returned * 1.0 - k["exit_ns"]) * us,
+        "integrity": (record.checked - record.copy_returned) * us,
+        "publish": (record.published - record.checked) * us,
+        "wake": (t2 - record.published) * us if t2 > record.published else 0.0,
+    }
+
+
+def _kernel_alone(setup: _Setup, engine: CopyEngine) -> dict[str, tuple[float, float, float]]:
+    """µs (best of 3) of the last profiled job's runs through the kernel on one thread: copy only, copy while
+    hashing, and the hash of the same sub-blocks from memory (what a load verifying before its copy pays)."""
+    kernel = _native.KERNEL
+    assert kernel is not None
+    chunks = torch.randperm(setup.plan.num_chunks)[: setup.job_blocks]
+    block_ids = torch.randperm(setup.num_blocks)[: setup.job_blocks]
+    job = {"group_sizes": [setup.job_blocks], "block_indices": [0], "block_ids": block_ids, "chunk_ids": chunks}
+    runs = engine.plan_runs(**job)  # type: ignore[arg-type]
+    slots = build_block_slots(
+        setup.layout,
+        setup.pool.integrity,
+        group_sizes=[setup.job_blocks],
+        block_indices=[0],
+        chunk_ids=chunks,
+        chunk_tags=None,
+        blocks_per_chunk=setup.plan.blocks_per_chunk,
+        host_row_bytes=setup.pool.row_bytes,
+        host_slot_offset=setup.pool.slot_offset,
+    )
+    arrays = (runs.engine_offsets.numpy(), runs.host_offsets.numpy(), runs.lengths.numpy())
+    first, size = slots.arrays()
+    sums = np.zeros(len(slots), dtype=np.uint64)
+    bases = {"kv_base": setup.kv.data_ptr(), "host_base": setup.pool.rows.data_ptr()}
+    flags = _native.FUSED | _native.STREAM
+    none = np.zeros(0, dtype=np.int64)
+    order = np.argsort(first, kind="stable")
+    hash_slots = (np.ascontiguousarray(first[order]), np.ascontiguousarray(size[order]), order.astype(np.int64))
+    out: dict[str, tuple[float, float, float]] = {}
+    for is_store in (True, False):
+        copy_only = partial(kernel.job, None, arrays, None, is_store=is_store, digests=None, flags=flags, **bases)
+        fused = partial(kernel.job, None, arrays, (first, size), is_store=is_store, digests=sums, flags=flags, **bases)
+        from_memory = partial(
+            kernel.copy_hash, (none, none, none, none), hash_slots, 128 << 10, setup.pool.rows.data_ptr(), sums
+        )
+        times = [min(_timed(fn, torch.device("cpu")) for _ in range(3)) * 1e6 for fn in (copy_only, fused, from_memory)]
+        out["store" if is_store else "load"] = (times[0], times[1], times[2])
+    return out
 
 
 def _cached_hash_gbps(size: int = 256 << 10, rounds: int = 2000) -> float:
@@ -206,6 +371,9 @@ def main() -> None:
     parser.add_argument("--blocks-per-chunk", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None, help="CPU copy threads (default: engine's)")
+    parser.add_argument(
+        "--profile", action="store_true", help="print where a checksummed CPU job's time goes (instead of the table)"
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(
@@ -217,6 +385,11 @@ def main() -> None:
     # hashing is compute-bound: on a shared machine its speed says how much CPU this run got
     threads = args.threads or min(4, max(1, torch.get_num_threads()))  # the engine's default
     _machine_check("machine check", threads)
+    if args.profile:
+        for text in args.pages.split(","):
+            profile_page(_parse_size(text), args)
+        _machine_check("machine check after", threads)
+        return
     print(
         f"{'page':>8} {'direction':>9} {'ours GB/s':>10} {'no-cksum GB/s':>14} {'py path GB/s':>13} "
         f"{'copy_ GB/s':>11} {'ratio':>6} {'vs py path':>11} {'checksum cost':>14}"

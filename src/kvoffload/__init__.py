@@ -78,6 +78,7 @@ from kvoffload.assembly import WorkerParts, build_scheduler, build_worker, decod
 from kvoffload.errors import (
     ArgumentTypeError,
     ConfigError,
+    ConfigImportError,
     DeadlineError,
     HostMemoryError,
     InvalidStateError,
@@ -164,6 +165,7 @@ __all__ = [
     "ChunkMiss",
     "ChunkedLocalAttentionSpec",
     "ConfigError",
+    "ConfigImportError",
     "CopyEngine",
     "DType",
     "DeadlineError",

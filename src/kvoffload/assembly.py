@@ -15,6 +15,7 @@ host pool, its manager, the tiers and the copy engine are wired together in one 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,7 +37,16 @@ if TYPE_CHECKING:
 
 __all__ = ["WorkerParts", "build_scheduler", "build_worker", "decode_extra_config", "tiering_of"]
 
-_TIER_KEYS = frozenset({"secondary_tiers", "backpressure", "tier_poll_interval_s", "start_degraded"})
+_TIER_KEYS = frozenset(
+    {
+        "secondary_tiers",
+        "backpressure",
+        "tier_poll_interval_s",
+        "start_degraded",
+        "tier_lookup_timeout_s",
+        "promotion_wait_s",
+    }
+)
 
 
 def decode_extra_config(extra: Mapping[str, object]) -> VLLMConnectorConfig:
@@ -59,6 +69,8 @@ def decode_extra_config(extra: Mapping[str, object]) -> VLLMConnectorConfig:
         backpressure=tiering.backpressure,
         tier_poll_interval_s=tiering.tier_poll_interval_s,
         start_degraded=tiering.start_degraded,
+        tier_lookup_timeout_s=tiering.tier_lookup_timeout_s,
+        promotion_wait_s=tiering.promotion_wait_s,
     )
 
 
@@ -69,6 +81,8 @@ def tiering_of(options: VLLMConnectorConfig) -> TieringConfig:
         backpressure=options.backpressure,
         tier_poll_interval_s=options.tier_poll_interval_s,
         start_degraded=options.start_degraded,
+        tier_lookup_timeout_s=options.tier_lookup_timeout_s,
+        promotion_wait_s=options.promotion_wait_s,
     )
 
 
@@ -79,13 +93,16 @@ def build_scheduler(
     tiering: TieringConfig | None = None,
     enable_events: bool = False,
     null_block_id: int | None = None,
+    log: logging.Logger | None = None,
 ) -> OffloadScheduler:
     """The scheduler of ``config``: its manager holds as many chunks as the host pool plan fits.
 
-    ``options`` default to ``config.extra_config`` decoded (:func:`decode_extra_config`): the eviction policy,
-    the store threshold, prompt-only stores and the tiers come from there. ``tiering`` replaces the options'
-    tiers (e.g. with the urls of embedded servers filled in). With tiers (valkey tiers with their url), the
-    tiers are composed in; ``close()`` the scheduler to release them.
+    ``options`` default to ``config.extra_config`` decoded (:func:`decode_extra_config`): the eviction policy
+    (an out-of-tree one with ``cache_policy_module_path``), the store threshold, prompt-only stores, the
+    pending-store and sync-load bounds and the tiers come from there. ``tiering`` replaces the options' tiers
+    (e.g. with the urls of embedded servers filled in). With tiers (valkey tiers with their url), the tiers are
+    composed in (``log``: where they report going down and coming back); ``close()`` the scheduler to release
+    them.
     """
     if options is None:
         options = decode_extra_config(config.extra_config)
@@ -98,18 +115,21 @@ def build_scheduler(
         enable_events=enable_events,
         store_threshold=options.store_threshold,
         max_tracker_size=options.max_tracker_size,
+        cache_policy_module_path=options.cache_policy_module_path,
     )
     extension: SchedulerExtension | None = None
     if tiering.secondary_tiers:
         from kvoffload.tiers import Tiering  # the tier clients load only when tiers are configured
 
-        extension = Tiering(config, manager, tiering)
+        extension = Tiering(config, manager, tiering, log=log)
     return OffloadScheduler(
         config,
         manager,
         offload_prompt_only=options.offload_prompt_only,
         null_block_id=null_block_id,
         extension=extension,
+        max_recompute_pending_tokens=options.max_recompute_pending_tokens,
+        sync_load_budget_bytes=options.sync_load_budget_bytes,
     )
 
 

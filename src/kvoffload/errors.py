@@ -5,7 +5,8 @@ best describes it, so callers can catch either the library-wide base or the buil
 
     KVOffloadError(Exception)                  base of everything below
     ├── ConfigError(ValueError)                a snapshot or config value is invalid (names field and value)
-    │   └── OffloadingConfigError              a vLLM 0.33 translator rule rejects the input (vLLM's message)
+    │   ├── OffloadingConfigError              a vLLM 0.33 translator rule rejects the input (vLLM's message)
+    │   └── ConfigImportError(ImportError)     a configured module_path or class cannot be imported
     ├── ArgumentTypeError(TypeError)           an argument has the wrong type (e.g. a non-int in a packed array)
     ├── ValueOverflowError(OverflowError)      a value does not fit its fixed-width field (e.g. int32 ids)
     ├── WireError(ValueError)                  a frame is truncated, oversized, corrupted or of an unknown kind
@@ -29,6 +30,7 @@ from __future__ import annotations
 __all__ = [
     "ArgumentTypeError",
     "ConfigError",
+    "ConfigImportError",
     "DeadlineError",
     "HostMemoryError",
     "InvalidStateError",
@@ -63,6 +65,14 @@ class OffloadingConfigError(ConfigError):
     def __init__(self, message: str, *, vllm_exception: str = "ValueError") -> None:
         super().__init__(message)
         self.vllm_exception = vllm_exception
+
+
+class ConfigImportError(ConfigError, ImportError):
+    """A configured out-of-tree class (a tier's ``module_path``, a ``policy_cls``) cannot be imported.
+
+    Both a :class:`ConfigError` (the message names the config entry and the module) and an ``ImportError``, as
+    vLLM's users see an unimportable ``module_path``; the import's own error is chained as ``__cause__``.
+    """
 
 
 class ArgumentTypeError(KVOffloadError, TypeError):

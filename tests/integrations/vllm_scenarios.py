@@ -8,6 +8,7 @@ out of the test process, and lets the multi-process scenario use vLLM's default 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -195,6 +196,41 @@ def tiers(model: str, out: Path, phase: str) -> dict[str, Any]:
     return result
 
 
+def shared_store(model: str, out: Path, role: str) -> dict[str, Any]:
+    """A Valkey tier (server or cluster) under the host pool: engine A fills it, engine B serves from it.
+
+    The url comes from ``KVO_TEST_VALKEY_URL`` (``KVO_TEST_VALKEY_CLUSTER=1``: a cluster node's url). ``role`` is
+    ``fill`` (A: waits until every store and cascade has landed) or ``serve`` (B: a new process, empty host pool).
+    """
+    from vllm import LLM
+
+    from kvoffload.tiers import Tiering
+
+    cluster = os.environ.get("KVO_TEST_VALKEY_CLUSTER") == "1"
+    tier = {"type": "valkey", "url": os.environ["KVO_TEST_VALKEY_URL"], "cluster": cluster}
+    # What B gets is checked here, not how fast: a busy 2-core machine can take longer than the default 0.1 s.
+    extra = {"spec_name": "TieringOffloadingSpec", "secondary_tiers": [tier], "tier_lookup_timeout_s": 10.0}
+    llm = LLM(model=model, distributed_executor_backend="uni", kv_transfer_config=connector_config(extra), **ENGINE_KW)
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    half = connector._scheduler
+    result: dict[str, Any] = {"role": role, "engine_id": connector.offloading_config.engine_id}
+    result["before"] = stats_dict(llm)
+    result["tokens"], result["cached"] = one_by_one(llm, prompts())
+    for _ in range(100):  # keep the engine stepping until every store, cascade and promotion has landed
+        if not half.scheduler.has_pending_work():
+            break
+        generate(llm, ["pump"], max_tokens=1)
+    result["pending"] = half.scheduler.has_pending_work()
+    result["stats"] = stats_dict(llm)
+    tiering = half.scheduler.extension
+    assert isinstance(tiering, Tiering)
+    rows = tiering.stats
+    result["cascaded"] = rows[0].cascaded_chunks
+    result["promoted"] = rows[0].promoted_chunks
+    result["tier"] = dataclasses.asdict(rows[0])
+    return result
+
+
 def serve_until_killed(model: str, out: Path) -> dict[str, Any]:
     """vLLM's default multi-process engine with a disk and a Valkey tier, kept busy until the test kills it.
 
@@ -249,6 +285,35 @@ def misspelled(model: str, out: Path) -> dict[str, Any]:
     return {"error_type": None, "error": ""}
 
 
+def concurrent_prefix(model: str, out: Path, mode: str) -> dict[str, Any]:
+    """Several requests sharing a long prefix that is already in the host pool arrive at once.
+
+    ``mode``: ``baseline`` (no connector), ``async`` (the connector's default loads) or ``sync-budget``
+    (``sync_load_budget_bytes``: hits load inside the step). One request computes the prefix first (the connector
+    stores it), then the engine's prefix cache is emptied: the batch can only get the prefix from host memory.
+    """
+    from vllm import LLM
+
+    extra: dict[str, Any] | None = {"async": {}, "sync-budget": {"sync_load_budget_bytes": 1 << 30}}.get(mode)
+    kw: dict[str, Any] = {} if extra is None else {"kv_transfer_config": connector_config(extra)}
+    llm = LLM(model=model, distributed_executor_backend="uni", **kw, **ENGINE_KW)
+    batch = [f"{SYSTEM}question {i} about what the prefix says" for i in range(4)]
+    result: dict[str, Any] = {}
+    result["warm_tokens"], _ = generate(llm, [f"{SYSTEM}warm up"])
+    if extra is not None:
+        half = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
+        for _ in range(100):  # keep the engine stepping until the prefix's stores have landed
+            if not half.scheduler.has_pending_work():
+                break
+            generate(llm, ["pump"], max_tokens=1)
+        result["before"] = stats_dict(llm)
+    llm.reset_prefix_cache()
+    result["tokens"], result["cached"] = generate(llm, batch)  # one generate call: all four arrive together
+    if extra is not None:
+        result["after"] = stats_dict(llm)
+    return result
+
+
 def main() -> None:
     scenario, model, out_dir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -266,6 +331,10 @@ def main() -> None:
         result = sliding_window(model, out_dir)
     elif scenario == "misspelled":
         result = misspelled(model, out_dir)
+    elif scenario in ("shared-fill", "shared-serve"):
+        result = shared_store(model, out_dir, scenario.split("-")[1])
+    elif scenario in ("concurrent-prefix-baseline", "concurrent-prefix-async", "concurrent-prefix-sync-budget"):
+        result = concurrent_prefix(model, out_dir, scenario.removeprefix("concurrent-prefix-"))
     elif scenario == "serve-until-killed":
         result = serve_until_killed(model, out_dir)
     else:

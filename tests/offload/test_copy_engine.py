@@ -25,18 +25,43 @@ from kvoffload.offload.worker.copy import (
     CopyRuns,
     IdsLike,
     TransferLayout,
+    _engine,
     _native,
     build_copy_runs,
     build_transfer_layout,
 )
 from kvoffload.offload.worker.copy import _cpu as cpu
+from kvoffload.offload.worker.copy import _cpu_loops as loops
+from kvoffload.offload.worker.copy import _cpu_native as cpu_native
 from kvoffload.offload.worker.copy import _cuda as cuda
 from tests.helpers import Placement, offloading_config
 
 pytestmark = pytest.mark.usefixtures("copy_path")  # every test runs on the native and the pure-Python path
 
-COPY_FUNCTIONS = ("_memmove_runs", "_copy_views", "_native_copy", "_native_copy_and_hash")
-"""Every function a CPU copy path moves bytes through (tests patch them all to hold or break a copy)."""
+COPY_FUNCTIONS = ((loops, "memmove_runs"), (loops, "copy_views"), (cpu, "_native_job"), (cpu_native, "_native_submit"))
+"""Every function a CPU copy path moves bytes through or hands a job over with, and its module (tests patch them
+all to break a copy)."""
+
+
+def hold_copies(mover: CopyEngine, monkeypatch: pytest.MonkeyPatch, release: threading.Event) -> None:
+    """Hold every copy ``mover`` starts until ``release`` is set: the native engine holds its queues, the
+    Python-driven paths wait in their copy functions."""
+    backend = mover._backend
+    if isinstance(backend, cpu_native.NativeCpuBackend):
+        backend.hold(True)
+        threading.Thread(target=lambda: (release.wait(10), backend.hold(False)), daemon=True).start()
+        return
+
+    def held(real: Callable[..., None]) -> Callable[..., None]:
+        def wrapper(*args: object, **kwargs: object) -> None:
+            release.wait(10)
+            real(*args, **kwargs)
+
+        return wrapper
+
+    for module, name in COPY_FUNCTIONS[:3]:
+        monkeypatch.setattr(module, name, held(getattr(module, name)))
+
 
 # -- engine memory descriptions and the plain reference model ------------------------------------------
 
@@ -405,14 +430,30 @@ def test_runs_match_the_per_byte_reference(
 
 
 def _run_memmove(kv: torch.Tensor, host: torch.Tensor, runs: CopyRuns, is_store: bool) -> None:
-    for work in cpu._cpu_work(runs, is_store, kv.data_ptr(), host.data_ptr(), parts=2):
-        cpu._memmove_arrays(*work)
+    for work in loops.cpu_work(runs, is_store, kv.data_ptr(), host.data_ptr(), parts=2):
+        loops.memmove_arrays(*work)
 
 
 def _run_native(kv: torch.Tensor, host: torch.Tensor, runs: CopyRuns, is_store: bool) -> None:
-    assert _native.KERNEL is not None, "the native copy kernel is not built"
-    for work in cpu._cpu_work(runs, is_store, kv.data_ptr(), host.data_ptr(), parts=2):
-        _native.KERNEL.copy(*work)
+    kernel = _native.KERNEL
+    assert kernel is not None, "the native copy kernel is not built"
+    pool = kernel.pool(1)
+    try:
+        for granule, helpers in ((0, None), (64, pool)):  # on this thread, and in granules shared with a helper
+            kernel.job(
+                helpers,
+                (runs.engine_offsets.numpy(), runs.host_offsets.numpy(), runs.lengths.numpy()),
+                None,
+                is_store=is_store,
+                kv_base=kv.data_ptr(),
+                host_base=host.data_ptr(),
+                digests=None,
+                flags=_native.FUSED | _native.STREAM,
+                granule=granule,
+            )
+    finally:
+        if pool is not None:
+            pool.close()
 
 
 def _run_indexed(kv: torch.Tensor, host: torch.Tensor, runs: CopyRuns, is_store: bool) -> None:
@@ -420,14 +461,14 @@ def _run_indexed(kv: torch.Tensor, host: torch.Tensor, runs: CopyRuns, is_store:
 
 
 def test_cpu_work_splits_long_runs_evenly() -> None:
-    piece = cpu._PIECE_BYTES
+    piece = loops.PIECE_BYTES
     runs = CopyRuns(
         torch.tensor([0, 3 * piece]),
         torch.tensor([0, 5 * piece]),
         torch.tensor([3 * piece, 10]),
         3 * piece + 10,
     )
-    parts = cpu._cpu_work(runs, True, kv_ptr=1000, host_ptr=0, parts=2)
+    parts = loops.cpu_work(runs, True, kv_ptr=1000, host_ptr=0, parts=2)
     assert [int(p[2].sum()) for p in parts] == [2 * piece, piece + 10]
     assert parts[0][1].tolist() == [1000, 1000 + piece] and parts[1][0].tolist() == [2 * piece, 5 * piece]
 
@@ -490,12 +531,49 @@ def test_round_trip_layer_major_groups_partial_chunks(
     _round_trip(*mixed, seed=seed)
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_round_trip_with_runs_checked_per_job(
+    mixed: tuple[Engine, TransferLayout, HostPool, torch.Tensor], seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layout that might reach outside the memories for some ids goes to the Python-driven backend (each job's
+    runs checked; with the kernel, still one native call per job): the same bytes move."""
+    monkeypatch.setattr(_engine, "_fits_every_id", lambda *args: False)
+    engine, layout, pool, kv = mixed
+    with CopyEngine(kv, layout, pool) as mover:
+        assert isinstance(mover._backend, cpu.CpuBackend)
+    _round_trip(engine, layout, pool, kv, seed=seed)
+
+
 @pytest.mark.parametrize("bpc", [1, 2, 4])
 def test_round_trip_block_major(bpc: int) -> None:
     engine = block_major([[("l0", 48), ("l1", 16), ("l2", 48)], [("m0", 24)]], num_blocks=32)
     layout = make_layout(engine)
     with make_pool(layout.worker_kv_bytes_per_block, bpc=bpc, num_chunks=12) as pool:
         _round_trip(engine, layout, pool, random_bytes(engine.size, seed=bpc), seed=bpc)
+
+
+def test_two_blocks_into_one_chunk_the_last_one_wins() -> None:
+    """A store naming one chunk twice (two engine blocks into one sub-block) leaves the later block's bytes,
+    sealed with their checksum; a load naming it twice fills both blocks."""
+    engine = layer_major([[("a", 4096), ("b", 4096)]], num_blocks=16)
+    layout = make_layout(engine, wkb=8192)
+    kv = random_bytes(engine.size, seed=11)
+    original = kv.clone()
+    job = {"group_sizes": [3], "block_indices": [0], "chunk_tags": [7, 7, 9]}
+    pool = make_pool(layout.worker_kv_bytes_per_block, bpc=1, num_chunks=8)
+    with pool, CopyEngine(kv, layout, pool) as mover:
+        mover.submit_store(1, block_ids=[1, 2, 3], chunk_ids=[5, 5, 2], **job)  # type: ignore[arg-type]
+        mover.wait([1])
+        kv.zero_()
+        load = {"group_sizes": [2], "block_indices": [0], "chunk_tags": [7, 7]}
+        mover.submit_load(2, block_ids=[10, 11], chunk_ids=[5, 5], **load)  # type: ignore[arg-type]
+        mover.wait([2])
+        assert [(r.job_id, r.success) for r in mover.poll()] == [(1, True), (2, True)]
+    for name in ("a", "b"):
+        want, length = engine.page(name, 2)
+        for block in (10, 11):
+            got, _ = engine.page(name, block)
+            assert torch.equal(kv[got : got + length], original[want : want + length])
 
 
 def test_round_trip_big_job_uses_helper_threads() -> None:
@@ -614,8 +692,8 @@ def test_failing_copy_reports_failure_and_engine_keeps_working(
 
     job = {"group_sizes": [1, 0], "block_indices": [0, 0], "block_ids": [1], "chunk_ids": [0]}
     with CopyEngine(kv, layout, pool) as mover:
-        for name in COPY_FUNCTIONS:  # whichever copy path the engine takes fails
-            monkeypatch.setattr(cpu, name, broken)
+        for module, name in COPY_FUNCTIONS:  # whichever copy path the engine takes fails
+            monkeypatch.setattr(module, name, broken)
         mover.submit_store(1, **job)
         mover.wait([1], timeout=10)
         (failed,) = mover.poll()
@@ -627,22 +705,32 @@ def test_failing_copy_reports_failure_and_engine_keeps_working(
         assert [r.success for r in mover.poll()] == [True]
 
 
+def test_many_results_come_back_in_order_with_every_bad_chunk() -> None:
+    """More finished jobs than one poll of the native engine hands over, and a load naming more bad chunks than
+    its first buffer holds: every result comes back, stores first, each direction in submission order."""
+    engine = layer_major([[("a", 64)]], num_blocks=6000)
+    layout = make_layout(engine, wkb=64)
+    kv = random_bytes(engine.size, seed=4)
+    with make_pool(64, bpc=1, num_chunks=6000) as pool, CopyEngine(kv, layout, pool) as mover:
+        for i in range(100):
+            mover.submit_store(i, group_sizes=[1], block_indices=[0], block_ids=[i], chunk_ids=[i])
+        never_stored = list(range(1000, 6000))
+        mover.submit_load(1000, group_sizes=[5000], block_indices=[0], block_ids=never_stored, chunk_ids=never_stored)
+        mover.wait(range(100))
+        mover.wait([1000])
+        results = mover.poll()
+    assert [r.job_id for r in results] == [*range(100), 1000]
+    assert all(r.success for r in results[:100])
+    assert not results[-1].success and array.array("q", results[-1].corrupt_chunk_ids).tolist() == never_stored
+
+
 def test_wait_timeout_raises_transfer_error(
     mixed: tuple[Engine, TransferLayout, HostPool, torch.Tensor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, layout, pool, kv = mixed
     release = threading.Event()
-
-    def slow(real: Callable[..., None]) -> Callable[..., None]:
-        def held(*args: object, **kwargs: object) -> None:
-            release.wait(10)
-            real(*args, **kwargs)
-
-        return held
-
-    for name in COPY_FUNCTIONS:
-        monkeypatch.setattr(cpu, name, slow(getattr(cpu, name)))
     with CopyEngine(kv, layout, pool) as mover:
+        hold_copies(mover, monkeypatch, release)
         mover.submit_load(5, group_sizes=[1, 0], block_indices=[0, 0], block_ids=[1], chunk_ids=[0])
         with pytest.raises(TransferError, match=r"jobs \[5\] did not finish within 0.05s"):
             mover.wait([5], timeout=0.05)

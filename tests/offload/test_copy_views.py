@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from kvoffload.offload.pool import HostPool
 from kvoffload.offload.pool._integrity import SEALED
 from kvoffload.offload.worker.copy import CopyEngine, CopySegment, GroupLayout, TransferLayout, build_copy_runs
-from kvoffload.offload.worker.copy import _cpu as cpu
+from kvoffload.offload.worker.copy import _cpu_loops as loops
 from kvoffload.offload.worker.copy import _views as views
 from kvoffload.offload.worker.copy._views import BlockViews, _group_pieces
 from tests.offload.test_copy_engine import (
@@ -79,7 +79,7 @@ def test_views_move_exactly_the_reference_bytes(
     for e, h, n in expected:
         want_host[h : h + n] = kv[e : e + n]
     job = block_views.job(blocks, True)
-    cpu._copy_views(job, 0, len(job.ends), step, memoryview(host.numpy()), None, [])
+    loops.copy_views(job, 0, len(job.ends), step, memoryview(host.numpy()), None, [])
     assert torch.equal(host, want_host)
     back = torch.full_like(kv, 0xAB)
     want_kv = back.clone()
@@ -87,7 +87,7 @@ def test_views_move_exactly_the_reference_bytes(
         want_kv[e : e + n] = want_host[h : h + n]
     load_views = BlockViews(back, host, layout)
     job = load_views.job(blocks, False)
-    cpu._copy_views(job, 0, len(job.ends), step, memoryview(host.numpy()), None, [])
+    loops.copy_views(job, 0, len(job.ends), step, memoryview(host.numpy()), None, [])
     assert torch.equal(back, want_kv)
 
 
@@ -108,7 +108,7 @@ def test_backend_uses_views_for_small_pages_and_runs_for_long_ones(page: int, mo
     def unused(*args: object) -> None:
         raise AssertionError("wrong copy path")
 
-    monkeypatch.setattr(cpu, "_memmove_runs" if small else "_copy_views", unused)
+    monkeypatch.setattr(loops, "memmove_runs" if small else "copy_views", unused)
     mover, pool, job, kv = _jobs_for(page)
     with pool, mover:
         original = kv.clone()

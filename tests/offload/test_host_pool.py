@@ -211,18 +211,33 @@ def _resident_bytes(tensor: torch.Tensor) -> int:
     raise AssertionError("no mapping holds the tensor")
 
 
-def test_shared_pool_pages_are_faulted_in_at_creation(engine_id: str) -> None:
-    # A store into a fresh shared mapping used to take one page fault per 4 KiB page (a 5x slower store):
-    # every rank now maps its slots up front, without changing what another rank already wrote.
+def test_shared_pool_pages_are_faulted_in_in_the_background(engine_id: str) -> None:
+    # A store into a fresh shared mapping used to take one page fault per 4 KiB page (a 5x slower store): every
+    # rank maps its slots in the background, without changing what another rank (or this one) already wrote.
     plan0 = _plan(world_size=2, rank=0, cpu_bytes_to_use=4 << 20)
     plan1 = _plan(world_size=2, rank=1, cpu_bytes_to_use=4 << 20)
     with HostPool(plan0, engine_id=engine_id) as creator:
+        creator.slot_rows(1)[3, :3] = torch.tensor([7, 8, 9], dtype=torch.uint8)  # usable before it is faulted in
+        assert creator.wait_prefaulted(30) and creator.is_prefaulted
         own = plan0.num_chunks * plan0.slot_bytes
         assert _resident_bytes(creator.rows) >= own
-        creator.slot_rows(1)[3, :3] = torch.tensor([7, 8, 9], dtype=torch.uint8)
         with HostPool(plan1, engine_id=engine_id) as joiner:
+            assert joiner.wait_prefaulted(30)
             assert _resident_bytes(joiner.rows) >= own
             assert joiner.slot_rows()[3, :3].tolist() == [7, 8, 9]
+
+
+def test_private_pool_is_usable_at_once_and_faulted_in_in_the_background() -> None:
+    plan = _plan(world_size=1, rank=0, cpu_bytes_to_use=64 << 20)
+    with HostPool(plan, pin_memory=False) as pool:
+        pattern = torch.arange(pool.row_bytes, dtype=torch.int64).remainder(251).to(torch.uint8)
+        rows = list(range(0, plan.num_chunks, 7))
+        for row in rows:  # written while the background thread may still be populating
+            pool.rows[row] = pattern
+        assert pool.wait_prefaulted(30) and pool.is_prefaulted
+        assert _resident_bytes(pool.rows) >= plan.num_chunks * plan.slot_bytes
+        assert all(torch.equal(pool.rows[row], pattern) for row in rows), "populating never changes a page"
+        assert int(pool.rows[1].sum()) == 0, "the other rows read as zeros"
 
 
 def test_unlink_keeps_mapping(engine_id: str) -> None:

@@ -376,6 +376,8 @@ def test_a_store_invalidates_its_entries_until_its_copy_completes(
 
     from kvoffload.offload.worker import copy as kvcopy
     from kvoffload.offload.worker.copy import _cpu as cpu
+    from kvoffload.offload.worker.copy import _cpu_loops as loops
+    from kvoffload.offload.worker.copy import _cpu_native as cpu_native
 
     mover, pool, _ = private
     tag = [key_tag(b"k")]
@@ -396,13 +398,19 @@ def test_a_store_invalidates_its_entries_until_its_copy_completes(
 
         return held
 
-    # hold whichever copy path the job takes (native kernel, or block views / memmove in pure Python)
-    for name in ("_memmove_runs", "_copy_views", "_native_copy", "_native_copy_and_hash"):
-        monkeypatch.setattr(cpu, name, holding(getattr(cpu, name)))
+    # hold whichever copy path the job takes (the native engine's queue, or block views / memmove in Python)
+    backend = mover._backend
+    if isinstance(backend, cpu_native.NativeCpuBackend):
+        backend.hold(True)
+        started.set()
+    for module, name in ((loops, "memmove_runs"), (loops, "copy_views"), (cpu, "_native_job")):
+        monkeypatch.setattr(module, name, holding(getattr(module, name)))
     mover.submit_store(2, **job)  # type: ignore[arg-type]
     assert started.wait(10)
     assert pool.integrity.states(slots).tolist() == [0]  # a load now would fail: the bytes are changing
     release.set()
+    if isinstance(backend, cpu_native.NativeCpuBackend):
+        backend.hold(False)
     mover.wait([2], timeout=10)
     assert [r.success for r in mover.poll()] == [True]
     assert pool.integrity.states(slots).tolist() == [SEALED]

@@ -94,11 +94,12 @@ def test_departure_memory_is_bounded() -> None:
     offer(sched, a)
     offer(sched, hashes("b", 4))
     req, _ = ask(sched, a)
-    # 4 keys were evicted oldest first; only the last 2 are remembered
+    # 4 keys were evicted, the request's tail first (vLLM 0.33's LRU ranks a request's chunks by position:
+    # a3, a2, a1, a0); only the last 2 are remembered
     assert [r for _, r in reasons(sched, req)] == [
-        MissReason.NEVER_STORED,
-        MissReason.NEVER_STORED,
         MissReason.EVICTED,
+        MissReason.EVICTED,
+        MissReason.NEVER_STORED,
     ]
 
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 
-from kvoffload import JobResult, OffloadKey, SchedulerExtension, WorkerReport
+from kvoffload import BlockStored, JobResult, Medium, OffloadKey, SchedulerExtension, WorkerReport, make_offload_key
 from kvoffload._packed import pack_int64
-from kvoffload.offload.manager import HostBlockManager
-from kvoffload.offload.scheduler import OffloadScheduler
+from kvoffload.offload.manager import HostBlockManager, OffloadEvent
+from kvoffload.offload.scheduler import OffloadScheduler, TierFilter, parse_load_tiers
 from kvoffload.tiers import TierJob
 from tests.helpers import chained_hashes, offloading_config
 
@@ -22,11 +22,22 @@ class Recorder:
         self.lookup_keys: list[list[OffloadKey]] = []
         self.pending = False
         self.jobs: tuple[TierJob, ...] = ()
+        self.unavailable: set[OffloadKey] = set()
+
+    def on_new_request(self, req_id: str, load_tiers: TierFilter) -> None:
+        self.calls.append(f"on_new_request:{req_id}:{len(load_tiers.matchers)}")
+
+    def take_events(self) -> list[OffloadEvent]:
+        self.calls.append("take_events")
+        return [OffloadEvent((make_offload_key(b"\x07" * 32, 0),), False, Medium.STORAGE)]
 
     def defer_lookup(self, req_id: str, keys: Sequence[Sequence[OffloadKey]], num_computed_tokens: int) -> bool:
         self.calls.append(f"defer_lookup:{req_id}:{num_computed_tokens}")
         self.lookup_keys = [list(k) for k in keys]
         return self.defer
+
+    def unavailable_keys(self, req_id: str) -> Set[OffloadKey]:
+        return self.unavailable
 
     def on_store_completed(self, keys: Sequence[OffloadKey]) -> None:
         self.calls.append("on_store_completed")
@@ -74,10 +85,11 @@ def test_hooks_run_at_their_points_and_see_the_requests_keys() -> None:
     ext.defer = True
     assert sched.lookup("r", 0) is None  # the extension asked to be asked again
     stats = sched.stats()
-    assert (stats.lookups, stats.lookups_deferred) == (1, 1)
+    assert (stats.lookups, stats.lookups_deferred) == (0, 1), "a re-ask is not a lookup"
     assert ext.lookup_keys == [list(sched._book.requests["r"].keys[0])] and len(ext.lookup_keys[0]) == 2
     ext.defer = False
     assert sched.lookup("r", 0) == 0
+    assert (sched.stats().lookups, sched.stats().lookups_deferred) == (1, 1), "the final answer is the lookup"
     sched.on_blocks_allocated("r", [[1, 2]])
     sched.on_tokens_computed("r", 32)
     tier_job = TierJob(job_id=7, tier=0, is_promotion=False, keys=(b"k",), chunk_ids=pack_int64([0]))
@@ -138,3 +150,34 @@ def test_stats_has_no_side_effect_on_the_manager() -> None:
     first, second = sched.stats(), sched.stats()
     assert first == second and first is not second
     assert manager.stats().allocation_sizes == (3,)  # still there: the scheduler's stats() took nothing
+
+
+def test_chunks_the_extension_could_not_look_for_miss_as_tier_unavailable() -> None:
+    """A host miss that a tier could not be asked for is a ``tier_unavailable`` miss, not ``never_stored``."""
+    from kvoffload import MissReason
+
+    ext = Recorder()
+    sched = _scheduler(ext)
+    sched.add_request("r", chained_hashes("e", 3), 48)
+    keys = sched._book.requests["r"].keys[0]
+    ext.unavailable = {keys[0], keys[1]}
+    assert sched.lookup("r", 0) == 0
+    assert [m.reason for m in sched.lookup_misses("r")] == [MissReason.TIER_UNAVAILABLE] * 2
+    stats = sched.stats()
+    assert stats.lookup_miss_reasons == {MissReason.TIER_UNAVAILABLE: 1}
+    assert stats.chunk_miss_reasons == {MissReason.TIER_UNAVAILABLE: 2}
+    ext.unavailable = set()
+    sched.add_request("s", chained_hashes("e", 3), 48)
+    assert sched.lookup("s", 0) == 0
+    assert sched.stats().lookup_miss_reasons[MissReason.NEVER_STORED] == 1
+
+
+def test_a_load_filter_reaches_the_extension_and_its_events_follow_the_pools() -> None:
+    ext = Recorder()
+    sched = _scheduler(ext)
+    sched.add_request("r", chained_hashes("f", 1), 16)
+    assert not any(c.startswith("on_new_request") for c in ext.calls), "no filter given: not called"
+    sched.add_request("s", chained_hashes("g", 1), 16, load_tiers=parse_load_tiers([]))
+    assert "on_new_request:s:0" in ext.calls
+    events = sched.take_events()
+    assert events == [BlockStored(block_hashes=(b"\x07" * 32,), group_idx=0, medium=Medium.STORAGE)]

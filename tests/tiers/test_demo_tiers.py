@@ -29,6 +29,18 @@ def test_disk_demo_twice_second_run_hits_disk(tmp_path: Path, capsys: pytest.Cap
     assert int(_value(second, "tier 0 (fs): prompt tokens promoted")) > 0
     assert _value(second, "prefix-hit rate (requests)") == "100.0%"
     assert _value(second, "mismatched blocks") == "0" and "ok:" in second
+    _assert_vs_raw(first, "tier 0 (fs)")
+
+
+def _assert_vs_raw(out: str, tier: str) -> None:
+    """The tier and its raw baseline were both measured on the run's records (shares, not dashes)."""
+    figures = _value(out, f"{tier}: tier / raw GB/s, same records")
+    assert re.fullmatch(r"[0-9.]+ / [0-9.]+ w, [0-9.]+ / [0-9.]+ r", figures), figures
+    shares = _value(out, f"{tier}: write / read vs raw")
+    assert re.fullmatch(r"[0-9]+% / [0-9]+%", shares), shares
+    assert all(int(p.rstrip("%")) > 0 for p in shares.split(" / "))
+    in_run = _value(out, f"{tier}: write / read GB/s in the run")
+    assert re.fullmatch(r"[0-9.]+ / [-0-9.]+", in_run), in_run  # the first run reads nothing back ("-")
 
 
 @pytest.mark.slow
@@ -37,6 +49,7 @@ def test_demo_with_embedded_valkey(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert int(_value(out, "tier 0 (valkey): chunks cascaded / dropped / failed").split(" / ")[0]) > 0
     assert "ok:" in out
+    _assert_vs_raw(out, "tier 0 (valkey)")
 
 
 def test_bad_tier_option_names_it(capsys: pytest.CaptureFixture[str]) -> None:

@@ -514,3 +514,44 @@ def decode_start_degraded() -> bool:
 
     options = decode_extra_config({"cpu_bytes_to_use": 1 << 20, "start_degraded": True})
     return options.start_degraded and tiering_of(options).start_degraded
+
+
+def test_a_step_that_waits_for_its_promotions_reports_them_and_the_next_lookup_hits(tmp_path: Path) -> None:
+    _fill_disk(tmp_path, seed=5)
+    engine = _Engine(_fs(tmp_path, tier_poll_interval_s=0.5))  # the query answers within the first lookup
+    try:
+        engine.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
+        assert engine.sched.lookup("B", 0) is None, "HIT_PENDING: the promotion is queued"
+        plan = wire.decode(wire.encode(engine.sched.build_step_plan())).expect(StepPlan)
+        assert [job.is_promotion for job in plan.tier_jobs] == [True]
+        engine.worker.start_step(plan)
+        assert engine.worker.wait_for_promotions() and engine.tiers.wait_s == 0.5
+        report = engine.worker.report(plan.step)  # no drain: what this step's report carries
+        assert [r.job_id for r in report.tier_results] == [plan.tier_jobs[0].job_id]
+        engine.worker.end_step(plan)
+        engine.sched.on_worker_reports([report])
+        assert engine.sched.lookup("B", 0) == 112, "the step after the promotion loads it"
+        assert engine.worker.wait_for_promotions(), "nothing left to wait for"
+    finally:
+        engine.close()
+
+
+def test_promotion_wait_is_a_connector_key_and_zero_never_waits(tmp_path: Path) -> None:
+    from kvoffload.assembly import decode_extra_config, tiering_of
+
+    options = decode_extra_config({"cpu_bytes_to_use": 1 << 20, "promotion_wait_s": 0.25})
+    assert tiering_of(options).promotion_wait_s == 0.25
+    assert decode_extra_config({"cpu_bytes_to_use": 1 << 20}).promotion_wait_s == 0.5
+    with pytest.raises(ConfigError, match="promotion_wait_s"):
+        decode_extra_config({"cpu_bytes_to_use": 1 << 20, "promotion_wait_s": -1})
+    _fill_disk(tmp_path, seed=6)
+    engine = _Engine(_fs(tmp_path, tier_poll_interval_s=0.5, promotion_wait_s=0.0))
+    try:
+        engine.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
+        assert engine.sched.lookup("B", 0) is None
+        plan = wire.decode(wire.encode(engine.sched.build_step_plan())).expect(StepPlan)
+        engine.worker.start_step(plan)
+        assert not engine.worker.wait_for_promotions(), "0: returns at once, the promotion still runs"
+        engine.tiers.wait(30)
+    finally:
+        engine.close()

@@ -65,19 +65,29 @@ class DemoEngine:
         return block_seed(req.hashes[(block + 1) * per_block - 1])
 
     def admit(self) -> list[tuple[Request, int, int]]:
-        """Admit waiting requests while blocks last; returns the (request, first, last) tokens to compute."""
+        """Continue running prompts, then admit waiting requests while blocks and this step's token budget last;
+        returns the (request, first, last) tokens to compute (a prompt longer than the budget takes steps)."""
         while (req := self.workload.next_request()) is not None:
             self.waiting.append(req)
         computes: list[tuple[Request, int, int]] = []
-        while self.waiting and len(self.running) < self.options.max_running:
+        decoding = sum(r.num_computed >= r.prompt_len for r in self.running.values())
+        budget = self.options.max_batched_tokens - decoding
+        for req in self.running.values():
+            if req.num_computed < req.prompt_len and budget > 0:
+                last = min(req.prompt_len, req.num_computed + budget)
+                computes.append((req, req.num_computed, last))
+                budget -= last - req.num_computed
+        skipped: list[Request] = []
+        while self.waiting and len(self.running) < self.options.max_running and budget > 0:
             req = self.waiting[0]
             if req.req_id not in self.registered:
                 self.sched.add_request(req.req_id, req.hashes, req.prompt_len)
                 self.registered.add(req.req_id)
             hit = self.sched.lookup(req.req_id, 0)
-            if hit is None:
+            if hit is None:  # as vLLM: the request waits (tier query, promotion) and the next one is tried
                 self.result.deferred_lookups += 1
-                break
+                skipped.append(self.waiting.popleft())
+                continue
             total = req.prompt_len + req.decode_left
             need = [-(-total // g.tokens_per_block) for g in self.groups]
             if sum(need) > self.num_blocks:
@@ -103,7 +113,11 @@ class DemoEngine:
             self.result.requests_with_hit += hit > 0
             self.result.prompt_tokens += req.prompt_len
             self.result.tokens_loaded += hit
-            computes.append((req, hit, req.prompt_len))
+            req.num_computed = hit
+            last = min(req.prompt_len, hit + budget)
+            computes.append((req, hit, last))
+            budget -= last - hit
+        self.waiting.extendleft(reversed(skipped))
         return computes
 
     def fill_entries(self, computes: list[tuple[Request, int, int]]) -> list[int]:

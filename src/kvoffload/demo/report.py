@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from kvoffload.demo.worker_hook import TierFigures
 from kvoffload.tiers import TierStatsRow
 
 __all__ = ["DemoResult", "render_misses", "render_result"]
@@ -37,6 +39,8 @@ class DemoResult:
     host_chunks_filled: int = 0
     host_chunks: int = 0
     tiers: list[TierStatsRow] = field(default_factory=list)
+    tier_figures: list[TierFigures] = field(default_factory=list)
+    """Per tier, one rank's GB/s in the run and of its raw baseline on the same records (mean over ranks)."""
     lookup_miss_reasons: dict[str, int] = field(default_factory=dict)
     chunk_miss_reasons: dict[str, int] = field(default_factory=dict)
     events_published: int = 0
@@ -114,9 +118,34 @@ def _tier_rows(result: DemoResult) -> list[tuple[str, str]]:
                 f"{t.cascaded_chunks} / {t.dropped_chunks} / {t.cascade_failures}",
             )
         )
-        rows.append((f"{name}: write / read GB/s", f"{t.write_gbps:.2f} / {t.read_gbps:.2f}"))
+        if i < len(result.tier_figures):
+            f = result.tier_figures[i]
+            rows.append((f"{name}: write / read GB/s in the run", f"{_gbps(f.write_gbps)} / {_gbps(f.read_gbps)}"))
+            rows.append(
+                (
+                    f"{name}: tier / raw GB/s, same records",
+                    f"{_gbps(f.probe_write_gbps)} / {_gbps(f.raw_write_gbps)} w, "
+                    f"{_gbps(f.probe_read_gbps)} / {_gbps(f.raw_read_gbps)} r",
+                )
+            )
+            rows.append(
+                (
+                    f"{name}: write / read vs raw",
+                    f"{_share(f.probe_write_gbps, f.raw_write_gbps)} / {_share(f.probe_read_gbps, f.raw_read_gbps)}",
+                )
+            )
+        else:
+            rows.append((f"{name}: write / read GB/s", f"{t.write_gbps:.2f} / {t.read_gbps:.2f}"))
         rows.append((f"{name}: bad records (missed, deleted)", f"{t.corrupt_records}"))
     return rows
+
+
+def _gbps(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f}"
+
+
+def _share(value: float, raw: float) -> str:
+    return "-" if math.isnan(value) or math.isnan(raw) or raw <= 0 else f"{value / raw:.0%}"
 
 
 def render_misses(result: DemoResult) -> str:

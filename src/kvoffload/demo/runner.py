@@ -10,13 +10,14 @@ block pool.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import TYPE_CHECKING
 
 from kvoffload._generated import EngineSnapshot, OffloadingConfig
 from kvoffload.demo.engine import DemoEngine
 from kvoffload.demo.report import DemoResult
-from kvoffload.demo.worker_hook import HOOK, checksum_cost_of, memcpy_gbps_of
+from kvoffload.demo.worker_hook import HOOK, TierFigures, checksum_cost_of, memcpy_gbps_of, tier_figures_of
 from kvoffload.demo.workload import DEFAULT_OPTIONS, DemoOptions, check_options, check_workload_fits
 from kvoffload.errors import DeadlineError, HostMemoryError
 from kvoffload.offload.pool import available_host_memory_bytes, plan_host_pool_from_config
@@ -135,6 +136,7 @@ def _drive(
     costs = [c for extras in final.attachments.values() if (c := checksum_cost_of(extras)) is not None]
     if costs:
         result.checksum_cost = (sum(c[0] for c in costs) / len(costs), sum(c[1] for c in costs) / len(costs))
+    result.tier_figures = _mean_tier_figures([tier_figures_of(extras) for extras in final.attachments.values()])
     result.host_chunks_filled = len(demo.manager)
     result.lookup_miss_reasons = {str(k): v for k, v in stats.lookup_miss_reasons.items()}
     result.chunk_miss_reasons = {str(k): v for k, v in stats.chunk_miss_reasons.items()}
@@ -144,6 +146,30 @@ def _drive(
     if demo.result.steps >= max_steps:
         raise DeadlineError(f"the demo did not finish within max_steps={max_steps} steps")
     return result
+
+
+def _mean_tier_figures(per_rank: list[list[TierFigures]]) -> list[TierFigures]:
+    """Per tier, the mean over the ranks that measured each figure (NaN where none did)."""
+
+    def mean(values: list[float]) -> float:
+        known = [v for v in values if not math.isnan(v)]
+        return sum(known) / len(known) if known else math.nan
+
+    tiers = max((len(r) for r in per_rank), default=0)
+    out: list[TierFigures] = []
+    for t in range(tiers):
+        rows = [r[t] for r in per_rank if len(r) > t]
+        out.append(
+            TierFigures(
+                mean([f.write_gbps for f in rows]),
+                mean([f.read_gbps for f in rows]),
+                mean([f.probe_write_gbps for f in rows]),
+                mean([f.probe_read_gbps for f in rows]),
+                mean([f.raw_write_gbps for f in rows]),
+                mean([f.raw_read_gbps for f in rows]),
+            )
+        )
+    return out
 
 
 def demo_memory_bytes(snapshot: EngineSnapshot, config: OffloadingConfig | None = None) -> tuple[int, int, int]:

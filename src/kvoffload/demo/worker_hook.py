@@ -21,6 +21,7 @@ import math
 import struct
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -33,13 +34,23 @@ from kvoffload.offload.pool import PAGE_SIZE, HostPool, plan_host_pool
 from kvoffload.offload.worker.copy import CopyEngine, TransferLayout
 from kvoffload.runtime.hooks import WorkerContext
 
-__all__ = ["HOOK", "DemoHook", "checksum_cost_of", "memcpy_gbps_of", "step_attachments", "step_stats"]
+__all__ = [
+    "HOOK",
+    "DemoHook",
+    "TierFigures",
+    "checksum_cost_of",
+    "memcpy_gbps_of",
+    "step_attachments",
+    "step_stats",
+    "tier_figures_of",
+]
 
 HOOK = f"{__name__}:DemoHook"
 """The dotted path the demo gives ``WorkerCluster(hook=...)``."""
 
 _F64 = struct.Struct("<d")
 _PROBES = struct.Struct("<3d")  # memcpy GB/s, store and load checksum cost (NaN: not measured)
+_TIER = struct.Struct("<6d")  # per tier: write and read GB/s in the run, of the tier's probe, of the raw baseline
 _REPEATS = 9
 _MAX_REPORTED = 16  # mismatched block ids sent back per step (the count is always exact)
 
@@ -69,6 +80,28 @@ def checksum_cost_of(extras: Sequence[memoryview]) -> tuple[float, float] | None
     return None if math.isnan(store) or math.isnan(load) else (store, load)
 
 
+@dataclass(frozen=True, slots=True)
+class TierFigures:
+    """One rank's figures of one tier (NaN where nothing was moved): its write and read GB/s in the run (bytes per
+    second with a job of the tier in flight) and, at shutdown, the tier's and its raw baseline's on the same
+    records timed side by side (:func:`kvoffload.tiers.compare_with_raw`)."""
+
+    write_gbps: float
+    read_gbps: float
+    probe_write_gbps: float
+    probe_read_gbps: float
+    raw_write_gbps: float
+    raw_read_gbps: float
+
+
+def tier_figures_of(extras: Sequence[memoryview]) -> list[TierFigures]:
+    """The tier figures of one worker's final reply, in tier order (empty without tiers)."""
+    if len(extras) < 2:
+        return []
+    frame = bytes(extras[1])
+    return [TierFigures(*_TIER.unpack_from(frame, at)) for at in range(0, len(frame), _TIER.size)]
+
+
 class DemoHook:
     """Fills and verifies the simulated engine's KV in one worker process (see module docstring).
 
@@ -80,6 +113,7 @@ class DemoHook:
         self._layout = context.layout
         self._config = context.config
         self._rank = context.rank
+        self._tiers = context.tiers
         self._probe_bytes = _probe_bytes(context.options)
         self._fill: list[tuple[int, int, int]] = []
         self._verify: list[tuple[int, int, int, int]] = []
@@ -103,12 +137,32 @@ class DemoHook:
         return [Int64Array([len(checked), len(bad), *bad[:_MAX_REPORTED]]).tobytes()]
 
     def finish(self, report: WorkerReport) -> Sequence[bytes]:
-        """Time a plain memcpy of ``memcpy_probe_bytes`` and the checksum cost (0 GB/s and NaN when off)."""
+        """Time a plain memcpy of ``memcpy_probe_bytes`` and the checksum cost (0 GB/s and NaN when off), and
+        each tier's figures against its raw baseline."""
         memcpy = _memcpy_gbps(self._probe_bytes)
         store, load = math.nan, math.nan
         if memcpy > 0:
             store, load = _checksum_probe(self._kv, self._layout, self._config, self._probe_bytes, memcpy)
-        return [_PROBES.pack(memcpy, store, load)]
+        return [_PROBES.pack(memcpy, store, load), self._tier_figures()]
+
+    def _tier_figures(self) -> bytes:
+        if self._tiers is None:
+            return b""
+        from kvoffload.tiers import compare_with_raw
+
+        out = bytearray()
+        row_bytes = self._tiers.namespace.row_bytes
+        for t, tier in enumerate(self._tiers.tiers):
+            st = tier.stats()
+            write = st.bytes_written / st.write_busy_seconds / 1e9 if st.write_busy_seconds else math.nan
+            read = st.bytes_read / st.read_busy_seconds / 1e9 if st.read_busy_seconds else math.nan
+            keys = self._tiers.recent_keys(t)[-max(1, self._probe_bytes // max(1, row_bytes)) :]
+            both = compare_with_raw(tier, keys, row_bytes) if self._probe_bytes else None
+            probe = (math.nan,) * 4
+            if both is not None:
+                probe = (both.tier.write_gbps, both.tier.read_gbps, both.raw.write_gbps, both.raw.read_gbps)
+            out += _TIER.pack(write, read, *probe)
+        return bytes(out)
 
     def close(self) -> None:
         """Nothing to release: the KV memory belongs to the worker."""

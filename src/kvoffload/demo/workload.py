@@ -42,6 +42,9 @@ class DemoOptions:
     turn_tokens: tuple[int, int] = (64, 384)
     decode_tokens: int = 16
     max_running: int = 4
+    max_batched_tokens: int = 2048
+    """Tokens the engine computes per step, prompt chunks and decodes together (vLLM's
+    ``max_num_batched_tokens``, chunked prefill): a recomputed prompt costs steps, as in a real engine."""
     seed: int = 0
     shared_pool: bool = False
     memcpy_probe_bytes: int = 64 * MiB
@@ -64,6 +67,7 @@ def check_options(options: DemoOptions) -> None:
     """Raise ConfigError naming the option, its value and its bound when the workload is out of range."""
     check_int("requests", options.requests, 1, MAX_REQUESTS, value_first=True)
     check_int("conversations", options.conversations, 1, MAX_CONVERSATIONS, value_first=True)
+    check_int("max_batched_tokens", options.max_batched_tokens, 1, value_first=True)
 
 
 @dataclass

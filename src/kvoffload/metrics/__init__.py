@@ -6,7 +6,8 @@ application owns (nothing is registered at import, nothing touches prometheus_cl
 * :class:`SchedulerMetrics` (scheduler process): lookups, hits, misses per :class:`MissReason`, tokens moved,
   failed and corrupted loads, evictions, allocation failures, backpressure drops, pool usage gauges. It pulls
   the scheduler's cumulative stats once per step (:meth:`SchedulerMetrics.observe`), so the scheduler's hot
-  paths carry no metric calls at all.
+  paths carry no metric calls at all. With secondary tiers, each tier's outages, availability, cascades, drops,
+  promotions, failures, bad records, bytes and seconds (:data:`TIER_METRICS`, label ``tier``).
 * :class:`WorkerMetrics` (each worker process): bytes and seconds of every finished transfer, recorded from the
   worker's :class:`WorkerReport`. Spawned workers write through prometheus_client's multiprocess mode: the
   parent spawns them inside :func:`multiprocess_env`, reads their files with :func:`add_worker_collector`, and
@@ -28,6 +29,7 @@ from kvoffload.metrics._multiprocess import MULTIPROC_ENV, add_worker_collector,
 from kvoffload.metrics._samples import HistogramSample, MetricSample, MetricsSnapshot
 from kvoffload.metrics._scheduler import ALLOCATION_BUCKETS, STAT_METRICS, SchedulerMetrics
 from kvoffload.metrics._server import MetricsServer, serve_metrics
+from kvoffload.metrics._tiers import TIER_METRICS, TIERING_METRICS
 from kvoffload.metrics._worker import SIZE_BUCKETS, TIME_BUCKETS, WorkerMetrics
 
 __all__ = [
@@ -35,6 +37,8 @@ __all__ = [
     "MULTIPROC_ENV",
     "SIZE_BUCKETS",
     "STAT_METRICS",
+    "TIERING_METRICS",
+    "TIER_METRICS",
     "TIME_BUCKETS",
     "HistogramSample",
     "MetricSample",

@@ -10,12 +10,13 @@ from prometheus_client import CollectorRegistry
 
 from kvoffload._generated import MissReason
 from kvoffload.errors import ConfigError
-from kvoffload.metrics._recorder import _DEFAULT_MAX_SAMPLES, _BoundCounter, _check_tier, _Recorder
+from kvoffload.metrics._recorder import _DEFAULT_MAX_SAMPLES, _BoundCounter, _BoundGauge, _check_tier, _Recorder
 from kvoffload.metrics._samples import MetricsSnapshot
+from kvoffload.metrics._tiers import TIER_METRICS, TIERING_METRICS
 from kvoffload.offload.scheduler import SchedulerStats
 
 if TYPE_CHECKING:
-    from kvoffload.offload.scheduler import OffloadScheduler
+    from kvoffload.offload.scheduler import OffloadScheduler, SchedulerExtension
 
 __all__ = ["ALLOCATION_BUCKETS", "STAT_METRICS", "SchedulerMetrics"]
 
@@ -27,6 +28,7 @@ STAT_METRICS: dict[str, str] = {
     # SchedulerStats field -> metric name (vLLM's name where vLLM has one), for engines that export the
     # scheduler's totals under their own registry (the vLLM connector's interval stats)
     "lookups": "lookups",
+    "lookups_deferred": "lookups_deferred",
     "lookup_hits": "lookup_hits",
     "lookup_misses": "lookup_misses",
     "tokens_loaded": "load_tokens",
@@ -39,6 +41,9 @@ STAT_METRICS: dict[str, str] = {
     "failed_stores": "failed_stores",
     "corrupt_loads": "corrupted_loads",
     "allocation_failures": "allocation_failure",
+    "pending_recomputes": "pending_recomputes",
+    "shared_loads": "shared_loads",
+    "sync_loads": "sync_loads",
 }
 """What each counter of :class:`~kvoffload.offload.scheduler.SchedulerStats` is called as a metric."""
 
@@ -48,6 +53,8 @@ class SchedulerMetrics:
 
     ``registry`` is the embedding application's registry (None: no Prometheus series, snapshots only);
     ``tier`` labels the host pool's series. Tiers report their drops through :meth:`record_backpressure_drops`.
+    With secondary tiers (:class:`~kvoffload.tiers.Tiering`) each tier's figures are series too, labelled by its
+    kind and index (``fs0``): outages, availability and the counters of :data:`~kvoffload.metrics.TIER_METRICS`.
     ``min_interval_s`` rate-limits :meth:`observe` (reading the stats costs ~20 us): calls closer together are
     skipped, losing nothing since the figures are cumulative; pass ``force=True`` for the final reading.
     """
@@ -68,7 +75,7 @@ class SchedulerMetrics:
         r = self._rec = _Recorder(registry, max_samples)
         reasons = [m.value for m in MissReason]
 
-        fam = r.counter_family("lookups", "Lookups of requests in the offload pool.")
+        fam = r.counter_family("lookups", "Lookups of requests in the offload pool, once per final answer.")
         self.lookups = r.counter(fam, "lookups")
         fam = r.counter_family("lookup_hits", "Lookups that found at least one chunk to load.")
         self.lookup_hits = r.counter(fam, "lookup_hits")
@@ -76,7 +83,9 @@ class SchedulerMetrics:
             "lookup_misses", "Lookups that loaded nothing, by the reason of their first missed chunk.", ("reason",)
         )
         self.lookup_misses = {MissReason(x): r.counter(fam, "lookup_misses", reason=x) for x in reasons}
-        fam = r.counter_family("lookups_deferred", "Lookups answered 'ask again later' (a store or load in flight).")
+        fam = r.counter_family(
+            "lookups_deferred", "Re-asks: lookups answered 'ask again later' (a store, load or tier query in flight)."
+        )
         self.lookups_deferred = r.counter(fam, "lookups_deferred")
         fam = r.counter_family("chunk_misses", "Wanted chunks that lookups did not load, by reason.", ("reason",))
         self.chunk_misses = {MissReason(x): r.counter(fam, "chunk_misses", reason=x) for x in reasons}
@@ -107,6 +116,19 @@ class SchedulerMetrics:
             "backpressure_drops", "Stores a tier dropped under backpressure.", ("tier",)
         )
         self._drops: dict[str, _BoundCounter] = {}
+        self._outages_family = r.counter_family(
+            "tier_outages", "Times a secondary tier went unavailable, as the scheduler saw it.", ("tier",)
+        )
+        self._available_family = r.gauge_family(
+            "tier_available", "1 while a secondary tier answers the scheduler's lookups, 0 while it is down.", ("tier",)
+        )
+        self._outages: dict[str, _BoundCounter] = {}
+        self._available: dict[str, _BoundGauge] = {}
+        self._seen_outages: dict[str, int] = {}
+        self._tier_families = {f: r.counter_family(n, doc, ("tier",)) for f, (n, _, doc) in TIER_METRICS.items()}
+        self._tier_series: dict[tuple[str, str], _BoundCounter] = {}  # (row field, tier label) -> series
+        self._tiering_series: dict[str, _BoundCounter] = {}  # bound with the first tiers seen
+        self._seen_tier: dict[tuple[str, str], float] = {}
         fam = r.counter_family("kv_event_batches", "KV event batches published, by outcome.", ("outcome",))
         self.event_batches_sent = r.counter(fam, "kv_event_batches", outcome="sent")
         self.event_batches_dropped = r.counter(fam, "kv_event_batches", outcome="dropped")
@@ -213,7 +235,46 @@ class SchedulerMetrics:
         chunks["write_pending"].set(pending)
         chunks["ready"].set(ready)
         chunks["pinned"].set(num - free - pending - ready)
+        if sched.extension is not None:
+            self._observe_tiers(sched.extension)
         return True
+
+    def _observe_tiers(self, extension: SchedulerExtension) -> None:
+        """Each secondary tier's outages, availability and counters (``tier`` label: kind and index, ``fs0``)."""
+        from kvoffload.tiers import Tiering  # loaded already when the scheduler has tiers
+
+        if not isinstance(extension, Tiering):
+            return
+        for row in extension.stats:
+            label = row.label
+            if label not in self._outages:
+                self._outages[label] = self._rec.counter(self._outages_family, "tier_outages", tier=label)
+                self._available[label] = self._rec.gauge(self._available_family, "tier_available", tier=label)
+                self._seen_outages[label] = 0
+            delta = row.outages - self._seen_outages[label]
+            if delta > 0:
+                self._outages[label].inc(delta)
+                self._seen_outages[label] = row.outages
+            self._available[label].set(1.0 if row.available else 0.0)
+            for field, family in self._tier_families.items():
+                key = (field, label)
+                if key not in self._tier_series:
+                    self._tier_series[key] = self._rec.counter(family, TIER_METRICS[field][0], tier=label)
+                self._advance(key, getattr(row, field))
+        if not self._tiering_series:
+            for name, (metric, _, doc) in TIERING_METRICS.items():
+                self._tier_series[(name, "")] = self._rec.counter(self._rec.counter_family(metric, doc), metric)
+                self._tiering_series[name] = self._tier_series[(name, "")]
+        counters = extension.counters()
+        for name in self._tiering_series:
+            self._advance((name, ""), counters.get(name, 0))
+
+    def _advance(self, key: tuple[str, str], total: float) -> None:
+        """Add what ``total`` grew by since the last reading to the series of ``key``."""
+        delta = total - self._seen_tier.get(key, 0)
+        if delta > 0:
+            self._tier_series[key].inc(delta)
+            self._seen_tier[key] = total
 
     def take_snapshot(self) -> MetricsSnapshot:
         """The figures since the previous snapshot, engine-neutral (see :class:`MetricsSnapshot`)."""

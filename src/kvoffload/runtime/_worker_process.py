@@ -159,6 +159,7 @@ class _Session:
         self.last_step = plan.step
         self.worker.start_step(plan)
         self.worker.wait_for_loads(plan, self.spec.load_timeout_s)
+        self.worker.wait_for_promotions()
         report = self.worker.report(plan.step)
         if self.metrics is not None:
             self.metrics.record(report)
@@ -212,6 +213,7 @@ def _open_session(spec: WorkerSpec) -> _Session:
                 layout=layout,
                 config=config,
                 options=decode_hook_options(spec.hook_options_json),
+                tiers=parts.worker.tiers,
             )
             hook = make_hook(spec.hook, context)
     except BaseException:

@@ -5,8 +5,8 @@ inside the worker (the demo's simulated forward pass, a test probe) plugs in a :
 scheduler names the hook's factory by an importable dotted path (``"package.module:Factory"`` or
 ``"package.module.Factory"``) and gives it JSON options; both travel in the JSON ``WorkerSpec``, so nothing
 crosses processes as pickle. In the worker process the factory is imported and called once with a
-:class:`WorkerContext` (rank, the worker's KV memory and its layout, the offloading config, the options); the
-hook it returns is then called:
+:class:`WorkerContext` (rank, the worker's KV memory and its layout, the offloading config, the options, its
+tier IO); the hook it returns is then called:
 
 * ``before_step(plan, attachments)`` when a StepPlan arrives, before the worker submits its transfers;
   ``attachments`` are the extra frames the scheduler sent with the plan (``WorkerCluster.step(plan, ...)``).
@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 import torch
@@ -33,6 +33,9 @@ import torch
 from kvoffload._generated import OffloadingConfig, StepPlan, WorkerReport
 from kvoffload.errors import ConfigError
 from kvoffload.offload.worker.copy import TransferLayout
+
+if TYPE_CHECKING:
+    from kvoffload.tiers import TierWorker
 
 __all__ = [
     "HookOptions",
@@ -61,6 +64,8 @@ class WorkerContext:
     """Where each offloaded group's pages sit in ``kv`` (per layer: engine offset, block stride, page bytes)."""
     config: OffloadingConfig
     options: HookOptions
+    tiers: TierWorker | None = None
+    """The worker's tier IO (None without secondary tiers): a hook may read its figures, never submit jobs."""
 
 
 @runtime_checkable

@@ -5,10 +5,11 @@ the first ``warmup_completions`` samples; pressure starts when the EMA exceeds `
 when it falls below ``low_water_s`` (also through idle decay: ``ema *= 0.5 ** (idle / half_life)``). After
 ``failure_threshold`` consecutive failed stores pressure is forced with ``ema >= 4 * high``. Ten consecutive
 samples below the low mark reset to a healthy fast path. For ``cooldown_s`` after pressure clears every
-second store is dropped. Under pressure the policy decides: ``ThrottledDropPolicy`` drops a growing share,
-``drop_rate = min(1, (ema - high) / high / ramp_factor)`` (an accumulator spreads the drops evenly);
-``DropStorePolicy`` drops everything. Drops are counted per store and per chunk. The engine never waits:
-a dropped cascade only means that chunk is not in that tier.
+second store is dropped. Under pressure the drop policy decides (a class, :mod:`~kvoffload.tiers._policies`):
+``ThrottledDropPolicy`` drops a growing share, ``drop_rate = min(1, (ema - high) / high / ramp_factor)`` (an
+accumulator spreads the drops evenly); ``DropStorePolicy`` drops everything; ``policy_cls`` may also name a
+registered or out-of-tree class. Drops are counted per store and per chunk. The engine never waits: a dropped
+cascade only means that chunk is not in that tier.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ import msgspec
 
 from kvoffload._generated import BackpressureConfig
 from kvoffload.errors import ConfigError
+from kvoffload.tiers._policies import (
+    DropPolicy,
+    DropStorePolicy,
+    ThrottledDropPolicy,
+    drop_policy_class,
+    make_drop_policy,
+)
 
 __all__ = ["BackpressureSettings", "EMABackpressureDetector", "resolve_backpressure"]
 
@@ -40,19 +48,19 @@ class BackpressureSettings:
     cooldown_s: float = 1.0
     failure_threshold: int | None = None
     policy: str = "ThrottledDropPolicy"
+    """The drop policy's name (``policy_cls``: a built-in's class name, a registered name, or ``pkg.mod.Class``)."""
     ramp_factor: float = 2.0
 
 
-_POLICIES = {"ThrottledDropPolicy": "ThrottledDropPolicy", "throttled": "ThrottledDropPolicy"}
-_POLICIES |= {"DropStorePolicy": "DropStorePolicy", "drop": "DropStorePolicy"}
 _DETECTORS = {"EMABackpressureDetector", "ema"}
 
 
 def resolve_backpressure(
-    tier_type: str, top: BackpressureConfig | None, own: BackpressureConfig | None
+    tier_type: str, top: BackpressureConfig | None, own: BackpressureConfig | None, *, remote: bool = False
 ) -> BackpressureSettings:
-    """Merge per field: tier's own > top-level ``backpressure`` > the tier type's defaults (vLLM's rule)."""
-    network = tier_type != "fs"
+    """Merge per field: tier's own > top-level ``backpressure`` > the tier type's defaults (vLLM's rule: network
+    defaults for every tier but a disk one, and for a disk tier whose ``locality`` is ``REMOTE``: ``remote``)."""
+    network = tier_type != "fs" or remote
     high, low = (0.050, 0.010) if network else (0.010, 0.002)
     defaults = BackpressureSettings(high, low, failure_threshold=None if network else 3)
 
@@ -64,11 +72,10 @@ def resolve_backpressure(
     if detector not in _DETECTORS:
         raise ConfigError(f"{tier_type} tier: backpressure_cls={detector!r} is not supported (EMABackpressureDetector)")
     policy_name = merged.pop("policy_cls", None) or "ThrottledDropPolicy"
-    policy = _POLICIES.get(str(policy_name))
-    if policy is None:
-        raise ConfigError(
-            f"{tier_type} tier: policy_cls={policy_name!r} is not one of ThrottledDropPolicy, DropStorePolicy"
-        )
+    try:
+        policy, _ = drop_policy_class(str(policy_name))  # checked now: a bad name fails at start, naming the tier
+    except ConfigError as exc:
+        raise type(exc)(f"{tier_type} tier: {exc}") from exc.__cause__
     # The schema typed and bounded every field already; convert checks the merge against the settings' types.
     settings = msgspec.convert({**dataclasses.asdict(defaults), **merged, "policy": policy}, BackpressureSettings)
     if settings.low_water_s > settings.high_water_s:
@@ -80,10 +87,20 @@ def resolve_backpressure(
 
 
 class EMABackpressureDetector:
-    """Decides, store by store, whether a cascade into one tier is dropped (see the module docstring)."""
+    """Decides, store by store, whether a cascade into one tier is dropped (see the module docstring).
 
-    def __init__(self, settings: BackpressureSettings, clock: Callable[[], float] = time.monotonic) -> None:
+    ``policy``: the drop policy (default: a new one of the class ``settings.policy`` names).
+    """
+
+    def __init__(
+        self,
+        settings: BackpressureSettings,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        policy: DropPolicy | None = None,
+    ) -> None:
         self.settings = settings
+        self.policy = make_drop_policy(settings.policy, settings.ramp_factor) if policy is None else policy
         self._clock = clock
         self.ema: float | None = None
         self._warmup: list[float] = []
@@ -101,8 +118,8 @@ class EMABackpressureDetector:
         self._last_sample = self._clock()
         self._consecutive_failures = 0
         self._healthy_streak = 0
-        self._accumulator = 0.0
         self._cooldown_toggle = False
+        self.policy.reset()
         self.dropped_stores = 0
         self.dropped_chunks = 0
         self.samples = 0
@@ -142,7 +159,7 @@ class EMABackpressureDetector:
         elif self.under_pressure and (self.ema < s.low_water_s or self._healthy_streak >= 10):
             self.under_pressure = False
             self._cleared_at = now
-            self._accumulator = 0.0
+            self.policy.reset()
 
     def _decay(self, now: float) -> None:
         if self.ema is None:
@@ -154,13 +171,11 @@ class EMABackpressureDetector:
             self._update(now)
 
     def drop_rate(self) -> float:
-        """Share of stores the policy drops now."""
-        s = self.settings
+        """Share of stores the policy drops now (a policy without ``drop_rate``: 1.0 under pressure)."""
         if not self.under_pressure or self.ema is None:
             return 0.0
-        if s.policy == "DropStorePolicy":
-            return 1.0
-        return min(1.0, max(0.0, self.ema - s.high_water_s) / s.high_water_s / s.ramp_factor)
+        policy = self.policy
+        return policy.drop_rate(self) if isinstance(policy, ThrottledDropPolicy | DropStorePolicy) else 1.0
 
     def should_drop(self, num_chunks: int = 1) -> bool:
         """Whether the next store (of ``num_chunks`` chunks) is dropped; drops are counted."""
@@ -168,14 +183,12 @@ class EMABackpressureDetector:
         self._decay(now)
         drop = False
         if self.under_pressure:
-            self._accumulator += self.drop_rate()
-            if self._accumulator >= 1.0 - 1e-9:  # a rate of 0.25 must drop exactly every 4th store
-                self._accumulator -= 1.0
-                drop = True
+            drop = not self.policy.should_store(self)
         elif self._cleared_at is not None and now - self._cleared_at < self.settings.cooldown_s:
             self._cooldown_toggle = not self._cooldown_toggle
             drop = self._cooldown_toggle
         if drop:
             self.dropped_stores += 1
             self.dropped_chunks += num_chunks
+            self.policy.on_store_skipped(num_chunks)
         return drop

@@ -67,6 +67,10 @@ class TierStats:
     bytes_read: int = 0
     write_seconds: float = 0.0
     read_seconds: float = 0.0
+    write_busy_seconds: float = 0.0
+    """Wall time during which at least one store job was in flight (jobs overlap: their seconds add up to more)."""
+    read_busy_seconds: float = 0.0
+    """Wall time during which at least one load job was in flight."""
     unavailable_events: int = 0
     available: bool = True
     last_error: str = ""
@@ -159,6 +163,7 @@ class TierBase:
         self._down_until = 0.0
         self._in_outage = False  # between a fault and the next success
         self._closed = False
+        self._busy: dict[Direction, tuple[int, float]] = {}  # jobs in flight per direction, since when
 
     # ------------------------------------------------------------------ to implement
 
@@ -182,12 +187,27 @@ class TierBase:
         step = cdiv(n, parts)
         return [range(i, min(n, i + step)) for i in range(0, n, step)]
 
+    @property
+    def read_threads(self) -> int:
+        """Threads that run load batches."""
+        return self._n_read
+
+    @property
+    def write_threads(self) -> int:
+        """Threads that run store batches."""
+        return self._n_write
+
     # ------------------------------------------------------------------ availability
 
     @property
     def available(self) -> bool:
         """False while the tier backs off after a fault; the first operation after the back-off probes it."""
         return time.monotonic() >= self._down_until
+
+    def is_healthy(self) -> bool:
+        """The hot-path check, for every lookup: no IO, no lock, one clock read. False from a fault until an
+        operation succeeds again (while it backs off, and after the back-off until the medium answered)."""
+        return not self._in_outage and time.monotonic() >= self._down_until
 
     def probe(self) -> str | None:
         """Why the tier cannot be used right now (None: it can), asking the medium where that is cheap."""
@@ -251,6 +271,8 @@ class TierBase:
         job = _Job(job_id, direction, n, time.perf_counter(), len(batches))
         with self._lock:
             self._jobs[job_id] = job
+            count, since = self._busy.get(direction, (0, job.started))
+            self._busy[direction] = (count + 1, since)
         pool = self._writers if direction is Direction.STORE else self._readers
         for part in batches:
             pool.submit(self._run_batch, job, [keys[i] for i in part], [rows[i] for i in part], part.start)
@@ -298,13 +320,22 @@ class TierBase:
             job.corrupt.extend(corrupt_at)
             job.pending -= 1
             if job.pending == 0:
-                seconds = time.perf_counter() - job.started
+                now = time.perf_counter()
+                seconds = now - job.started
+                count, since = self._busy[job.direction]
+                busy = now - since if count == 1 else 0.0
+                if count == 1:
+                    del self._busy[job.direction]
+                else:
+                    self._busy[job.direction] = (count - 1, since)
                 if job.direction is Direction.STORE:
                     st.bytes_written += job.num_bytes
                     st.write_seconds += seconds
+                    st.write_busy_seconds += busy
                 else:
                     st.bytes_read += job.num_bytes
                     st.read_seconds += seconds
+                    st.read_busy_seconds += busy
                 del self._jobs[job.job_id]
                 self._finished.append(
                     TierIOResult(
@@ -361,6 +392,15 @@ class TierBase:
             self._stats.lookup_hits += sum(found)
         return found
 
+    def delete(self, keys: Sequence[OffloadKey]) -> None:
+        """Remove the records of ``keys`` (a missing one is no error; a medium fault marks the tier down)."""
+        for key in keys:
+            try:
+                self._delete(key)
+            except Exception as exc:  # a medium fault, as in lookups: never an exception to the caller
+                self._mark_down(exc)
+                return
+
     def stats(self) -> TierStats:
         """A copy of the counters (``available`` as of now)."""
         with self._lock:
@@ -380,6 +420,8 @@ class TierBase:
                 bytes_read=st.bytes_read,
                 write_seconds=st.write_seconds,
                 read_seconds=st.read_seconds,
+                write_busy_seconds=st.write_busy_seconds,
+                read_busy_seconds=st.read_busy_seconds,
                 unavailable_events=st.unavailable_events,
                 available=self.available,
                 last_error=st.last_error,

@@ -6,7 +6,8 @@ rank, or one shared ``/dev/shm`` region), so the tier IO runs in each worker on 
 offload is replicated). The scheduler decides (:class:`Tiering`, this module, composed into the scheduler);
 it ships the decisions as ``TierJob`` lists on the ``StepPlan`` and gets ``TierJobResult`` lists back on each
 ``WorkerReport``, like copy jobs. A tier chunk counts as present only when every rank's namespace has it.
-Lookups are metadata queries (a stat, an EXISTS) that the scheduler runs itself, on a background thread.
+Lookups are metadata queries (a stat, an EXISTS) that the scheduler runs itself, on a background thread, for at
+most ``tier_lookup_timeout_s`` per request (:mod:`~kvoffload.tiers._lookup_gate`; outages: ``_health``).
 
 Semantics (vLLM 0.33's):
 
@@ -19,6 +20,9 @@ Semantics (vLLM 0.33's):
   full the answer is a MISS and the engine recomputes) and promoted in one job per tier and request. Once
   the promotion completes, the next lookup finds a host hit and loads it as usual. A key that failed (a
   corrupt record, a tier that went down) is freed and never marked ready.
+* **Per request and per tier.** A request's ``kv_load_tiers`` (``on_new_request``) limits the tiers it is promoted
+  from (host hits load either way); a tier with ``enable_kv_events`` announces its records (``take_events``:
+  stored when a cascade completes, removed when a bad record is deleted, medium ``STORAGE``).
 
 Tier work never blocks an engine step: queries run on a thread, IO on the workers' tier threads, results
 are polled at each step.
@@ -27,115 +31,28 @@ are polled at each step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
+from collections.abc import Sequence, Set
 
-import msgspec
-
-from kvoffload._generated import (
-    FsTierConfig,
-    OffloadingConfig,
-    SecondaryTierConfig,
-    TieringConfig,
-    TierJob,
-    TierJobResult,
-    ValkeyTierConfig,
-    WorkerReport,
-)
+from kvoffload._generated import OffloadingConfig, TieringConfig, TierJob, TierJobResult, WorkerReport
 from kvoffload._packed import Int32Array, pack_int64
 from kvoffload.errors import ConfigError, InvalidStateError
 from kvoffload.offload.keys import OffloadKey
-from kvoffload.offload.manager import HostBlockManager
+from kvoffload.offload.manager import HostBlockManager, OffloadEvent
+from kvoffload.offload.scheduler import Locality, TierFilter
 from kvoffload.tiers._backpressure import EMABackpressureDetector, resolve_backpressure
-from kvoffload.tiers._base import SecondaryTier, TierBase
+from kvoffload.tiers._base import SecondaryTier
 from kvoffload.tiers._config import open_tier
+from kvoffload.tiers._health import TierHealth, TierStatsRow, tier_is_healthy, tier_type, unusable_reason
+from kvoffload.tiers._jobs import TierJobState, count_finished
+from kvoffload.tiers._load_filters import LoadFilters, configured_locality, tier_place
+from kvoffload.tiers._lookup_gate import LookupGate, Query, QueryAnswer
 from kvoffload.tiers._namespace import namespaces_for_all_ranks
-from kvoffload.tiers._valkey import EmbeddedValkey
+from kvoffload.tiers._summary import describe_tier
+from kvoffload.tiers._tier_events import TierEvents
 
-__all__ = ["TierStatsRow", "Tiering", "start_embedded_servers"]
+__all__ = ["TierStatsRow", "Tiering"]
 
 logger = logging.getLogger(__name__)
-
-
-def start_embedded_servers(
-    tiering: TieringConfig, *, socket_dir: str | None = None
-) -> tuple[TieringConfig, list[EmbeddedValkey]]:
-    """Start a private Valkey server for each ``valkey`` tier without a url.
-
-    Returns the config with the servers' urls filled in (give it to the workers) and the servers
-    (``stop()`` them at the end).
-    """
-    servers: list[EmbeddedValkey] = []
-    tiers = []
-    for tier in tiering.secondary_tiers:
-        if isinstance(tier, ValkeyTierConfig) and not tier.url:
-            server = EmbeddedValkey(maxmemory=tier.embedded_maxmemory, socket_dir=socket_dir)
-            servers.append(server)
-            tier = msgspec.structs.replace(tier, url=server.url)
-        tiers.append(tier)
-    return msgspec.structs.replace(tiering, secondary_tiers=tuple(tiers)), servers
-
-
-def _unusable(tier: SecondaryTier) -> str | None:
-    """Why ``tier`` cannot be used now (None: it can): a built-in tier probes its medium, any other tier is
-    asked whether it is available."""
-    if isinstance(tier, TierBase):
-        return tier.probe()
-    return None if tier.available else "the tier reports itself unavailable"
-
-
-def _tier_type(config: SecondaryTierConfig) -> str:
-    if isinstance(config, FsTierConfig):
-        return "fs"
-    return "valkey" if isinstance(config, ValkeyTierConfig) else "custom"
-
-
-@dataclass(slots=True)
-class TierStatsRow:
-    """What one tier did for this scheduler: cascades, drops, promotions and their bytes and seconds."""
-
-    name: str
-    cascaded_chunks: int = 0
-    cascade_failures: int = 0
-    dropped_chunks: int = 0
-    promoted_chunks: int = 0
-    promotion_failures: int = 0
-    corrupt_records: int = 0
-    """Records a worker found bad (damaged, of another namespace, not authenticated): missed and deleted."""
-    tokens_promoted: int = 0
-    bytes_written: int = 0
-    write_seconds: float = 0.0
-    bytes_read: int = 0
-    read_seconds: float = 0.0
-
-    @property
-    def write_gbps(self) -> float:
-        return self.bytes_written / self.write_seconds / 1e9 if self.write_seconds else 0.0
-
-    @property
-    def read_gbps(self) -> float:
-        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else 0.0
-
-
-@dataclass(slots=True)
-class _TierJobState:
-    job: TierJob
-    req_id: str | None
-    pending: int
-    tokens: int
-    reported: set[int] = field(default_factory=set)
-    failed: set[int] = field(default_factory=set)
-    num_bytes: int = 0
-    seconds: float = 0.0
-    stale: bool = False
-
-
-@dataclass(slots=True)
-class _Query:
-    keys: list[OffloadKey]
-    future: Future[list[list[bool]]]
 
 
 class Tiering:
@@ -148,33 +65,51 @@ class Tiering:
     (the scheduler's ``close()`` calls it) releases them.
     """
 
-    def __init__(self, config: OffloadingConfig, manager: HostBlockManager, tiering: TieringConfig) -> None:
+    def __init__(
+        self,
+        config: OffloadingConfig,
+        manager: HostBlockManager,
+        tiering: TieringConfig,
+        *,
+        log: logging.Logger | None = None,
+    ) -> None:
         self.config = config
         self.manager = manager
         self.tiering = tiering
+        self._log = logger if log is None else log
         bpc = config.cache.blocks_per_chunk
         self._tokens_per_chunk = tuple(g.tokens_per_block * bpc for g in config.groups)
         namespaces = namespaces_for_all_ranks(config)
         self._ranks_reporting = config.parallel.world_size
-        self._query_pool = ThreadPoolExecutor(1, thread_name_prefix="kvo-tier-lookup")
         self._lookup_tiers: list[list[SecondaryTier]] = []
+        self._gate = LookupGate(self._lookup_tiers, tiering.tier_lookup_timeout_s)
+        self.stats = [TierStatsRow(tier_type(t), index=i) for i, t in enumerate(tiering.secondary_tiers)]
+        """What each tier did, in config order (with its availability as the scheduler sees it)."""
+        self._health = TierHealth(self.stats, self._log)
+        self._unusable_at_start: list[str | None] = []
         try:
-            for tier_config in tiering.secondary_tiers:
-                self._lookup_tiers.append([open_tier(tier_config, ns, lookups_only=True) for ns in namespaces])
+            for i, tier_config in enumerate(tiering.secondary_tiers):
+                self._lookup_tiers.append([open_tier(tier_config, ns, lookups_only=True, index=i) for ns in namespaces])
             self._check_usable(tiering)
         except BaseException:
             self.close()
             raise
         self._detectors = [
-            EMABackpressureDetector(resolve_backpressure(_tier_type(t), tiering.backpressure, t.backpressure))
+            EMABackpressureDetector(
+                resolve_backpressure(
+                    tier_type(t), tiering.backpressure, t.backpressure, remote=configured_locality(t) is Locality.REMOTE
+                )
+            )
             for t in tiering.secondary_tiers
         ]
-        self.stats = [TierStatsRow(_tier_type(t)) for t in tiering.secondary_tiers]
-        """What each tier did, in config order."""
-        self._queries: dict[str, _Query] = {}
+        self._events = TierEvents(tiering.secondary_tiers)
+        places = zip(tiering.secondary_tiers, self._lookup_tiers, strict=True)
+        self._filters = LoadFilters([tier_place(config, per_rank[0]) for config, per_rank in places])
+        self._queries: dict[str, Query] = {}
         self._queried: dict[str, set[OffloadKey]] = {}
+        self._unreachable: dict[str, set[OffloadKey]] = {}  # host misses a tier could not be asked for
         self._promoting: dict[str, set[int]] = {}
-        self._tier_jobs: dict[int, _TierJobState] = {}
+        self._tier_jobs: dict[int, TierJobState] = {}
         self._next_tier_job = 0
         self._queued_tier_jobs: list[TierJob] = []
         self._cascade_queue: list[OffloadKey] = []
@@ -186,44 +121,89 @@ class Tiering:
         """Refuse to start on a tier that cannot be used now (a mistyped path, a server that is not there), in
         one line naming it, unless ``start_degraded`` asks to start anyway (a WARNING; it is retried later)."""
         for i, (config, per_rank) in enumerate(zip(tiering.secondary_tiers, self._lookup_tiers, strict=True)):
-            reason = _unusable(per_rank[0]) if per_rank else None
+            reason = unusable_reason(per_rank[0]) if per_rank else None
+            self._unusable_at_start.append(reason)
             if reason is None:
                 continue
-            what = f"secondary_tiers[{i}] ({_tier_type(config)}) is unusable: {reason}"
+            what = f"secondary_tiers[{i}] ({tier_type(config)}) is unusable: {reason}"
             if not tiering.start_degraded:
                 raise ConfigError(f"{what} (set start_degraded to start without it)")
-            logger.warning("%s; starting degraded (start_degraded), it is retried later", what)
+            self._log.warning("%s; starting degraded (start_degraded), it is retried later", what)
+            self._health.down(i, reason, logged=True)
+
+    def describe(self) -> list[str]:
+        """One phrase per tier for a start line: kind, where, capacity, records a restart found (disk)."""
+        return [
+            describe_tier(i, config, per_rank, unusable)
+            for i, (config, per_rank, unusable) in enumerate(
+                zip(self.tiering.secondary_tiers, self._lookup_tiers, self._unusable_at_start, strict=True)
+            )
+        ]
 
     # ------------------------------------------------------------------------------------ lookups
 
     def defer_lookup(self, req_id: str, keys: Sequence[Sequence[OffloadKey]], num_computed_tokens: int) -> bool:
         """Ask the tiers for chunks the host pool misses: True (ask again later) while a tier query runs
-        (RETRY) or a promotion is in flight (HIT_PENDING)."""
+        (RETRY, at most ``tier_lookup_timeout_s``) or a promotion is in flight (HIT_PENDING)."""
         if not self._lookup_tiers or self._fence:
             return False  # no tiers, or a reset not yet flushed: the host pool answers alone
+        allowed = self._filters.allowed(req_id)
+        if not any(allowed):
+            return False  # its kv_load_tiers allows no tier: the request loads host hits only
         if self._promoting.get(req_id):
             return True
         query = self._queries.get(req_id)
         if query is None:
             asked = self._queried.setdefault(req_id, set())
             candidates = [k for k in self._host_misses(keys, num_computed_tokens) if k not in asked]
-            if candidates and any(t[0].available for t in self._lookup_tiers):
-                asked.update(candidates)
-                query = _Query(candidates, self._query_pool.submit(self._query, candidates))
-                self._queries[req_id] = query
-                # A fresh query gets one poll interval to answer before the lookup says RETRY; with no
-                # interval its answer is used by the next lookup (the engine asks again next step).
-                if self._poll_s <= 0:
-                    self._counters["tier_lookups_retry"] += 1
-                    return True
-                wait_futures([query.future], timeout=self._poll_s)
-        if query is None:
-            return False
+            if not candidates:
+                return False
+            healthy = any(a and self.is_healthy(t) for t, a in enumerate(allowed))  # no IO: the hot path
+            query = self._gate.submit(candidates, self._health) if healthy else None
+            if query is None:  # every tier is down or backs off, or the query thread is stuck: answer at once
+                self._unreachable.setdefault(req_id, set()).update(candidates)
+                return False
+            asked.update(candidates)
+            self._queries[req_id] = query
+            # A fresh query gets one poll interval to answer before the lookup says RETRY; with no
+            # interval its answer is used by the next lookup (the engine asks again next step).
+            if self._poll_s <= 0:
+                self._counters["tier_lookups_retry"] += 1
+                return True
+            self._gate.wait(query, self._poll_s)
         if not query.future.done():
-            self._counters["tier_lookups_retry"] += 1
-            return True
+            if not self._gate.expired(query):
+                self._counters["tier_lookups_retry"] += 1
+                return True
+            del self._queries[req_id]  # past tier_lookup_timeout_s: the host pool answers, the tier misses
+            self._gate.abandon(query)
+            self._mark_unreachable(req_id, query.keys)
+            self._gate.watch(self._health)
+            return False
         del self._queries[req_id]
-        return self._promote(req_id, keys, num_computed_tokens, query)  # HIT_PENDING until it completes
+        answer = query.future.result()
+        self._health.apply(answer.faults)
+        for row, present, fault in zip(self.stats, answer.found, answer.faults, strict=True):
+            row.chunk_queries += len(query.keys) if fault is None else 0
+            row.chunk_hits += sum(present) if fault is None else 0
+        if any(f is not None and a for f, a in zip(answer.faults, allowed, strict=True)):
+            hits = [p for p, a in zip(answer.found, allowed, strict=True) if a]  # the tiers it may load from
+            found = {k for i, k in enumerate(query.keys) if any(p[i] for p in hits)}
+            self._mark_unreachable(req_id, [k for k in query.keys if k not in found])
+        elif req_id in self._unreachable:
+            self._unreachable[req_id].difference_update(query.keys)
+        return self._promote(req_id, keys, num_computed_tokens, query, answer)  # HIT_PENDING until it completes
+
+    def _mark_unreachable(self, req_id: str, keys: Sequence[OffloadKey]) -> None:
+        """Host misses no tier could be asked for: their misses count as ``tier_unavailable``; asked again later."""
+        self._unreachable.setdefault(req_id, set()).update(keys)
+        asked = self._queried.get(req_id)
+        if asked is not None:
+            asked.difference_update(keys)
+
+    def unavailable_keys(self, req_id: str) -> Set[OffloadKey]:
+        """The request's host misses that a tier could not be asked for (unavailable, or past the timeout)."""
+        return self._unreachable.get(req_id, frozenset())
 
     def _host_misses(self, keys: Sequence[Sequence[OffloadKey]], num_computed: int) -> list[OffloadKey]:
         """Keys of the request's chunks past ``num_computed`` that the host pool does not hold, in order."""
@@ -233,24 +213,15 @@ class Tiering:
             out.extend(k for k in group_keys[num_computed // tpc :] if k not in manager)
         return out
 
-    def _query(self, keys: list[OffloadKey]) -> list[list[bool]]:
-        """Per tier, whether each key is present in every rank's namespace (runs on the query thread)."""
-        result: list[list[bool]] = []
-        for per_rank in self._lookup_tiers:
-            present = [True] * len(keys)
-            for tier in per_rank:
-                found = tier.lookup(keys)
-                present = [a and b for a, b in zip(present, found, strict=True)]
-            result.append(present)
-        return result
-
-    def _promote(self, req_id: str, keys: Sequence[Sequence[OffloadKey]], num_computed: int, query: _Query) -> bool:
+    def _promote(
+        self, req_id: str, keys: Sequence[Sequence[OffloadKey]], num_computed: int, query: Query, answer: QueryAnswer
+    ) -> bool:
         """Allocate host chunks for the tier hits and queue one promotion job per tier; True if queued."""
-        found = query.future.result()
+        found, allowed = answer.found, self._filters.allowed(req_id)
         where: dict[OffloadKey, int] = {}
         for i, key in enumerate(query.keys):
             for t, present in enumerate(found):
-                if present[i]:
+                if present[i] and allowed[t]:
                     where[key] = t
                     break
         if not where:
@@ -294,7 +265,7 @@ class Tiering:
             chunk_ids=pack_int64(chunks),
         )
         self._next_tier_job += 1
-        self._tier_jobs[job.job_id] = _TierJobState(job, req_id, self._ranks_reporting, tokens)
+        self._tier_jobs[job.job_id] = TierJobState(job, req_id, self._ranks_reporting, tokens)
         self._queued_tier_jobs.append(job)
         return job
 
@@ -306,6 +277,7 @@ class Tiering:
 
     def plan_tier_jobs(self) -> tuple[TierJob, ...]:
         """This step's promotions and the cascades of chunks stored since the last plan."""
+        self._gate.watch(self._health)
         self._plan_cascades()
         jobs, self._queued_tier_jobs = self._queued_tier_jobs, []
         return tuple(jobs)
@@ -352,14 +324,16 @@ class Tiering:
         state.reported.add(rank)
         state.failed.update(Int32Array.from_buffer(result.failed).tolist())
         if result.corrupt:
-            self.stats[state.job.tier].corrupt_records += len(Int32Array.from_buffer(result.corrupt))
+            corrupt = Int32Array.from_buffer(result.corrupt).tolist()
+            self.stats[state.job.tier].corrupt_records += len(corrupt)
+            state.corrupt.update(corrupt)
         state.num_bytes += result.num_bytes
         state.seconds = max(state.seconds, result.seconds)
         state.pending -= 1
         if state.pending == 0:
             self._finish_tier_job(state)
 
-    def _finish_tier_job(self, state: _TierJobState) -> None:
+    def _finish_tier_job(self, state: TierJobState) -> None:
         del self._tier_jobs[state.job.job_id]
         self._fence.discard(state.job.job_id)
         job = state.job
@@ -379,20 +353,14 @@ class Tiering:
                     self.manager.complete_store(good, success=True)
                 if bad:
                     self.manager.complete_store(bad, success=False)
-            row.promoted_chunks += len(good)
-            row.promotion_failures += len(bad)
-            row.tokens_promoted += state.tokens * len(good) // max(1, len(keys))
-            row.bytes_read += state.num_bytes
-            row.read_seconds += state.seconds
         else:
             if not state.stale:
                 self.manager.complete_load(keys)
-            row.cascaded_chunks += len(good)
-            row.cascade_failures += len(bad)
-            row.bytes_written += state.num_bytes
-            row.write_seconds += state.seconds
+            self._events.stored(job.tier, good)  # in every rank's namespace now
             per_rank = state.num_bytes // max(1, self._ranks_reporting)
             self._detectors[job.tier].record(per_rank, state.seconds, success=not bad)
+        count_finished(row, state, len(good), len(bad))
+        self._events.removed(job.tier, [keys[i] for i in sorted(state.corrupt) if i < len(keys)])
 
     def fail_in_flight(self) -> None:
         """Fail every tier job in flight (a worker died): pins released, promoted chunks never ready."""
@@ -424,14 +392,34 @@ class Tiering:
         self._fence = set(self._tier_jobs)
         self._cascade_queue.clear()
         self._queried.clear()
+        self._unreachable.clear()
+        for query in self._queries.values():
+            self._gate.abandon(query)
         self._queries.clear()
         for detector in self._detectors:
             detector.reset()
 
+    def on_new_request(self, req_id: str, load_tiers: TierFilter) -> None:
+        """The request loads only from the tiers ``load_tiers`` allows (vLLM's ``kv_load_tiers``)."""
+        self._filters.set(req_id, load_tiers)
+
     def on_request_finished(self, req_id: str) -> None:
-        """Forget the request's tier queries."""
+        """Forget the request's tier queries (one still running is left to finish, for tier health)."""
+        self._filters.forget(req_id)
         self._queried.pop(req_id, None)
-        self._queries.pop(req_id, None)
+        self._unreachable.pop(req_id, None)
+        query = self._queries.pop(req_id, None)
+        if query is not None:
+            self._gate.abandon(query)
+
+    def take_events(self) -> list[OffloadEvent]:
+        """Records stored and removed (medium STORAGE) in the tiers with ``enable_kv_events``, since the last call."""
+        return self._events.take()
+
+    def is_healthy(self, tier: int) -> bool:
+        """Whether tier ``tier`` is worth asking, without IO: the scheduler saw it answer last, and no rank's
+        instance is in a fault (``TierBase.is_healthy``). Lookups check it before queueing a tier query."""
+        return self.stats[tier].available and all(tier_is_healthy(t) for t in self._lookup_tiers[tier])
 
     def counters(self) -> dict[str, int]:
         """Tier lookup counters: RETRY answers, promotions refused (host full), tier hits."""
@@ -442,8 +430,8 @@ class Tiering:
         return self._detectors[tier]
 
     def close(self) -> None:
-        """Release the lookup tiers and the query thread."""
-        self._query_pool.shutdown(wait=True)
+        """Release the query thread (a query hung past the timeout is not waited for) and the lookup tiers."""
+        self._gate.close()
         for per_rank in self._lookup_tiers:
             for tier in per_rank:
                 tier.close()

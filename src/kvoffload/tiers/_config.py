@@ -3,12 +3,12 @@
 ``secondary_tiers``, ``backpressure`` and ``tier_poll_interval_s`` are vLLM's key names. Decoding is strict:
 an unknown key or a bad value is a :class:`ConfigError` that names the tier (``secondary_tiers[1] (fs)``) and
 the key. vLLM's out-of-tree form ``{"type": "MyTier", "module_path": "pkg.mod", **kwargs}`` is rewritten to
-``{"type": "custom", "class_name": "MyTier", "module_path": "pkg.mod", "options": kwargs}``.
+``{"type": "custom", "class_name": "MyTier", "module_path": "pkg.mod", "options": kwargs}``, and a type registered
+with :func:`~kvoffload.tiers.register_tier_type` to the same form with ``tier_type`` naming it.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from typing import cast
 
@@ -23,34 +23,35 @@ from kvoffload._generated import (
     ValkeyTierConfig,
 )
 from kvoffload.errors import ConfigError
-from kvoffload.tiers._base import SecondaryTier, TierBase
+from kvoffload.tiers._base import SecondaryTier
 from kvoffload.tiers._namespace import Namespace
+from kvoffload.tiers._registry import BUILTIN_TIER_TYPES, import_tier_class, registered_tier_class, tier_type_names
 
 __all__ = ["TIERING_KEYS", "open_tier", "tier_from_cli", "tiering_config_from_extra"]
 
 TIERING_KEYS = ("secondary_tiers", "backpressure", "tier_poll_interval_s")
-_BUILTIN = {"fs", "valkey", "custom"}
 
 
 def _normalize_tier(i: int, raw: object) -> object:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"secondary_tiers[{i}] must be a table/object, got {raw!r}")
     kind = raw.get("type")
-    if isinstance(kind, str) and kind not in _BUILTIN and "module_path" in raw:
+    registered = registered_tier_class(kind) if isinstance(kind, str) and kind not in BUILTIN_TIER_TYPES else None
+    if registered is not None or (isinstance(kind, str) and kind not in BUILTIN_TIER_TYPES and "module_path" in raw):
         rest = {k: v for k, v in raw.items() if k not in ("type", "module_path", "backpressure")}
-        out: dict[str, object] = {
-            "type": "custom",
-            "class_name": kind,
-            "module_path": raw["module_path"],
-            "options": rest,
-        }
+        out: dict[str, object] = {"type": "custom", "options": rest}
+        if registered is not None:  # the registry wins over a module_path, as in vLLM
+            out.update(class_name=registered.__qualname__, module_path=registered.__module__, tier_type=kind)
+        else:
+            out.update(class_name=kind, module_path=raw["module_path"])
         if "backpressure" in raw:
             out["backpressure"] = raw["backpressure"]
         return out
-    if kind not in _BUILTIN:
+    if kind not in BUILTIN_TIER_TYPES:
+        names = tier_type_names()
         raise ConfigError(
-            f"secondary_tiers[{i}]: type={kind!r} is not one of fs, valkey, custom "
-            "(an out-of-tree tier also needs module_path)"
+            f"secondary_tiers[{i}]: type={kind!r} is not one of {', '.join(names)}: Unknown secondary tier type: "
+            f"{kind!r}. Supported types: {names!r}. For an out-of-tree tier, also set 'module_path'."
         )
     return dict(raw)
 
@@ -77,9 +78,15 @@ def tiering_config_from_extra(extra: Mapping[str, object]) -> TieringConfig:
                 f"secondary_tiers[{i}] (valkey): url={tier.url!r} is not a valkey url "
                 f"({', '.join(s + '...' for s in VALKEY_SCHEMES)})"
             )
+        if isinstance(tier, FsTierConfig | ValkeyTierConfig) and tier.locality is not None:
+            if tier.locality.upper() not in ("LOCAL", "REMOTE"):
+                raise ConfigError(f"secondary_tiers[{i}] ({kind}): locality={tier.locality!r} is not LOCAL or REMOTE")
+            tier = msgspec.structs.replace(tier, locality=tier.locality.upper())
         tiers.append(tier)
     top: dict[str, object] = {
-        k: extra[k] for k in ("backpressure", "tier_poll_interval_s", "start_degraded") if k in extra
+        k: extra[k]
+        for k in ("backpressure", "tier_poll_interval_s", "start_degraded", "tier_lookup_timeout_s", "promotion_wait_s")
+        if k in extra
     }
     try:
         rest = msgspec.convert(top, TieringConfig, strict=False)
@@ -94,12 +101,18 @@ def tier_backpressure(config: SecondaryTierConfig) -> BackpressureConfig | None:
 
 
 def open_tier(
-    config: SecondaryTierConfig, namespace: Namespace, *, url_override: str | None = None, lookups_only: bool = False
+    config: SecondaryTierConfig,
+    namespace: Namespace,
+    *,
+    url_override: str | None = None,
+    lookups_only: bool = False,
+    index: int | None = None,
 ) -> SecondaryTier:
     """Open the tier ``config`` describes for ``namespace`` (``url_override``: an embedded server's url).
 
     ``lookups_only``: the scheduler's instances only answer lookups (a disk tier then neither indexes nor
-    evicts: the workers' instances own the records).
+    evicts: the workers' instances own the records). ``index``: the tier's place in ``secondary_tiers``, named by
+    errors (an out-of-tree class that cannot be imported is a :class:`~kvoffload.errors.ConfigImportError`).
     """
     if isinstance(config, FsTierConfig):
         from kvoffload.tiers._fs import FsTier
@@ -136,20 +149,12 @@ def open_tier(
             ssl_options=ssl,
         )
     if isinstance(config, CustomTierConfig):
-        try:
-            module = importlib.import_module(config.module_path)
-            cls = getattr(module, config.class_name)
-        except (ImportError, AttributeError) as exc:
-            raise ConfigError(
-                f"custom tier: cannot import {config.class_name!r} from module_path={config.module_path!r}: {exc}"
-            ) from exc
-        # As vLLM checks a tier class against its base class: having the right attribute names is not enough
-        # (a mock has them all); the class must be a TierBase or declare the SecondaryTier protocol.
-        if not isinstance(cls, type) or not (issubclass(cls, TierBase) or SecondaryTier in cls.__mro__):
-            raise ConfigError(
-                f"custom tier {config.module_path}.{config.class_name} must be a class deriving from "
-                f"kvoffload.tiers.TierBase (or declaring kvoffload.tiers.SecondaryTier), got {cls!r}"
-            )
+        name = config.tier_type or config.class_name
+        where = f"secondary_tiers[{index}] ({name})" if index is not None else f"custom tier {name!r}"
+        # A registered type opens from this process's registry; a process that did not register it imports it.
+        cls = registered_tier_class(config.tier_type) if config.tier_type else None
+        if cls is None:
+            cls = import_tier_class(config.module_path, config.class_name, where)
         tier = cls(namespace=namespace, **dict(config.options))
         if not isinstance(tier, SecondaryTier):
             raise ConfigError(f"custom tier {config.class_name!r} does not implement the SecondaryTier protocol")

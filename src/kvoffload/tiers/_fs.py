@@ -37,6 +37,7 @@ from kvoffload._procs import pid_alive
 from kvoffload.errors import ConfigError, RecordError, TierError
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.tiers._base import TierBase
+from kvoffload.tiers._fileio import Staging, copy_bytes, read_direct, read_full, skip_written
 from kvoffload.tiers._namespace import Namespace
 from kvoffload.tiers._record import HEADER_SIZE, encode_header, parse_header, record_secret, verify_payload
 
@@ -45,19 +46,6 @@ __all__ = ["FsTier"]
 _PAGE = mmap.PAGESIZE
 _DOWN_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO, errno.ENOENT}
 _tmp_counter = itertools.count()
-
-
-class _Staging(threading.local):
-    """A page-aligned buffer per thread for O_DIRECT (anonymous mmaps are page-aligned)."""
-
-    buf: mmap.mmap | None = None
-
-    def get(self, size: int) -> mmap.mmap:
-        if self.buf is None or len(self.buf) < size:
-            if self.buf is not None:
-                self.buf.close()
-            self.buf = mmap.mmap(-1, round_up(size, _PAGE))
-        return self.buf
 
 
 class FsTier(TierBase):
@@ -107,7 +95,7 @@ class FsTier(TierBase):
         self.fsync = fsync
         self.file_mode = file_mode
         self.dir_mode = file_mode | (file_mode & 0o444) >> 2  # search wherever the files are readable
-        self._staging = _Staging()
+        self._staging = Staging()
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, least recent first
         self._total = 0
         self._index_lock = threading.Lock()
@@ -284,7 +272,7 @@ class FsTier(TierBase):
             buf = self._staging.get(size)
             view = memoryview(buf)
             view[: len(header)] = header
-            view[len(header) : total] = row
+            copy_bytes(view[len(header) : total], row)
             view[total:size] = bytes(size - total)
             fd = self._create(tmp, os.O_WRONLY | os.O_DIRECT)
             parts = [view[:size]]
@@ -299,7 +287,7 @@ class FsTier(TierBase):
                 if n <= 0:
                     raise TierError(errno.EIO, "short write")
                 written += n
-                parts = _skip(parts, n)
+                parts = skip_written(parts, n)
             if self.fsync:
                 os.fsync(fd)
         finally:
@@ -326,7 +314,7 @@ class FsTier(TierBase):
                 size = round_up(head_len + len(row), _PAGE)
                 buf = self._staging.get(size)
                 view = memoryview(buf)
-                n = _read_direct(fd, view[:size])
+                n = read_direct(fd, view[:size])
                 try:
                     header = parse_header(
                         view[:n], expected_key=key, expected_len=len(row), expected_namespace=self._ns_tag
@@ -334,11 +322,11 @@ class FsTier(TierBase):
                 except RecordError as exc:
                     return exc
                 payload = view[head_len : min(n, head_len + len(row))]
-                row[: len(payload)] = payload
+                copy_bytes(row[: len(payload)], payload)
                 got = len(payload)
             else:
                 head = bytearray(head_len)
-                n = _read_full(fd, [memoryview(head), row])
+                n = read_full(fd, [memoryview(head), row])
                 try:
                     header = parse_header(
                         head[: min(n, head_len)],
@@ -363,9 +351,13 @@ class FsTier(TierBase):
         return got
 
     def _exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
-        if not self.dir.is_dir():
+        if not os.path.isdir(self._dir_str):
             raise TierError(f"fs tier directory {self.dir} is gone")
-        return [self.path_of(key).exists() for key in keys]
+        found: list[bool] = []
+        for key in keys:
+            h = key.hex()
+            found.append(os.path.exists(f"{self._dir_str}/{h[:2]}/{h}.bin"))
+        return found
 
     def _delete(self, key: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -400,40 +392,3 @@ class FsTier(TierBase):
         for key in keys:
             with contextlib.suppress(OSError):
                 os.unlink(self.path_of(key))
-
-
-def _skip(parts: list[memoryview], n: int) -> list[memoryview]:
-    """The buffers left after ``n`` bytes of ``parts`` were transferred."""
-    out: list[memoryview] = []
-    for part in parts:
-        if n >= len(part):
-            n -= len(part)
-            continue
-        out.append(part[n:])
-        n = 0
-    return out
-
-
-def _read_direct(fd: int, view: memoryview) -> int:
-    """O_DIRECT read from offset 0: continue only at page-aligned offsets (a short read means end of file)."""
-    total = 0
-    while total < len(view):
-        n = os.preadv(fd, [view[total:]], total)
-        if n <= 0:
-            break
-        total += n
-        if total % _PAGE:
-            break
-    return total
-
-
-def _read_full(fd: int, parts: list[memoryview]) -> int:
-    """Read into ``parts`` until they are full or the file ends; returns the bytes read."""
-    total = 0
-    while parts:
-        n = os.preadv(fd, parts, total)
-        if n <= 0:
-            break
-        total += n
-        parts = _skip(parts, n)
-    return total

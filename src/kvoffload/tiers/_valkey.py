@@ -44,6 +44,7 @@ from kvoffload.errors import ConfigError, RecordError, TierError
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.scheduler import Direction
 from kvoffload.tiers._base import TierBase
+from kvoffload.tiers._fileio import copy_bytes
 from kvoffload.tiers._namespace import Namespace
 from kvoffload.tiers._record import HEADER_SIZE, encode_header, parse_header, record_secret, verify_payload
 
@@ -354,7 +355,7 @@ class ValkeyTier(TierBase):
             except RecordError as exc:
                 out.append(exc)
                 continue
-            row[:] = payload
+            copy_bytes(row, payload)
             out.append(len(row))
         return out
 

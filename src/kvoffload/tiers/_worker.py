@@ -7,6 +7,8 @@ each job back as a ``TierJobResult`` on the ``WorkerReport``.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Sequence
 from typing import cast
 
@@ -22,6 +24,8 @@ from kvoffload.tiers._config import open_tier
 from kvoffload.tiers._namespace import namespace_for
 
 __all__ = ["TierWorker"]
+
+_RECENT = 4096  # cascaded keys remembered per tier (for raw baselines: the same records)
 
 
 class TierWorker:
@@ -61,6 +65,10 @@ class TierWorker:
         self._host = memoryview(cast("bytearray", pool.rows.reshape(-1).numpy()))
         # tier job id -> (is_promotion, chunk ids, tags, job index of each submitted key, indices failed at submit)
         self._submitted: dict[int, tuple[bool, list[int], list[int], list[int], list[int]]] = {}
+        self._keys: dict[int, list[OffloadKey]] = {}  # tier job id -> the keys submitted to the tier
+        self._recent: list[deque[OffloadKey]] = [deque(maxlen=_RECENT) for _ in self.tiers]
+        self._step_promotions: list[int] = []  # the promotions of the last submit(), until waited for
+        self.wait_s = tiering.promotion_wait_s
 
     def _slots(self, chunks: Sequence[int], tags: Sequence[int]) -> BlockSlots:
         """Every sub-block of this rank's slot in ``chunks``, expected to hold the keys tagged ``tags``."""
@@ -81,6 +89,7 @@ class TierWorker:
 
     def submit(self, jobs: Sequence[TierJob]) -> None:
         """Start the tier jobs of a step plan (returns at once)."""
+        self._step_promotions = []  # those of an earlier step nobody waited for finish in the background
         for job in jobs:
             act = self._promotes if job.is_promotion else self._cascades
             if job.tier >= len(self.tiers):
@@ -105,19 +114,27 @@ class TierWorker:
             views = [_row_view(self._rows[chunks[i]]) for i in keep]
             keys = [OffloadKey(job.keys[i]) for i in keep]  # the wire type holds plain bytes
             tier = self.tiers[job.tier]
+            if not job.is_promotion:
+                self._keys[job.job_id] = keys
             if job.is_promotion:
                 tier.submit_load(job.job_id, keys, views)
             else:
                 tier.submit_store(job.job_id, keys, views)
             self._jobs[job.job_id] = job.tier
+            if job.is_promotion:
+                self._step_promotions.append(job.job_id)
 
     def poll(self) -> list[TierJobResult]:
         """Tier jobs finished since the last call."""
         out, self._done = self._done, []
-        for tier in self.tiers:
+        for t, tier in enumerate(self.tiers):
             for r in tier.poll():
                 self._jobs.pop(r.job_id, None)
                 keep = self._kept(r.job_id)
+                stored = self._keys.pop(r.job_id, None)
+                if stored is not None:
+                    failed_at = set(r.failed)
+                    self._recent[t].extend(k for i, k in enumerate(stored) if i not in failed_at)
                 corrupt = sorted(keep[i] for i in r.corrupt) if keep is not None else list(r.corrupt)
                 failed = self._settle(r.job_id, list(r.failed))
                 out.append(
@@ -130,6 +147,10 @@ class TierWorker:
                     )
                 )
         return out
+
+    def recent_keys(self, tier: int) -> list[OffloadKey]:
+        """Keys this rank cascaded to tier ``tier`` successfully, the most recent last (up to 4096)."""
+        return list(self._recent[tier])
 
     def _kept(self, job_id: int) -> list[int] | None:
         """Job indices of the keys submitted to the tier (the others failed verification first)."""
@@ -149,6 +170,21 @@ class TierWorker:
                 slots = self._slots([chunks[i] for i in done], [tags[i] for i in done])
                 self._pool.integrity.seal(slots, self._host, checksums=self._checksums)
         return failed
+
+    def wait_for_promotions(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` (default ``promotion_wait_s``) for the promotions of the last :meth:`submit`, once:
+        one still running then finishes in the background (a hung server costs one step, not every step)."""
+        ids, self._step_promotions = self._step_promotions, []
+        limit = self.wait_s if timeout is None else timeout
+        if not ids or limit <= 0:
+            return not ids
+        deadline = time.monotonic() + limit
+        ok = True
+        for t, tier in enumerate(self.tiers):
+            mine = [j for j in ids if self._jobs.get(j) == t]
+            if mine:
+                ok = tier.wait(mine, max(0.0, deadline - time.monotonic())) and ok
+        return ok
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for every tier job in flight."""

@@ -19,7 +19,8 @@ What it covers (each one a value the runtime cannot work with), in this order:
 * ``kv_connector_extra_config["cpu_bytes_to_use"]``, when given, must be a whole number of bytes > 0 that holds at
   least one chunk row (a missing budget is left to whoever sizes the pool: vLLM requires it then, the demo
   supplies a default);
-* ``kv_connector_extra_config["eviction_policy"]``, when given, must name a registered cache policy;
+* ``kv_connector_extra_config["eviction_policy"]``, when given, must name a registered cache policy, or with
+  ``cache_policy_module_path`` a :class:`~kvoffload.CachePolicy` subclass of that module (imported here);
 * the other connector options in ``kv_connector_extra_config`` must have the types the connector decodes them
   with (:class:`~kvoffload.VLLMConnectorConfig`): vLLM's translator reads ``block_size`` with ``int()``, so
   ``"32"`` or ``32.5`` translate, but the connector takes only an int; keys it does not know are left to it;
@@ -41,7 +42,7 @@ import msgspec
 from kvoffload._generated import EngineSnapshot, OffloadingConfig, ParallelConfig, VLLMConnectorConfig
 from kvoffload._placement import transfer_layout_from_config
 from kvoffload.errors import ConfigError, HostMemoryError
-from kvoffload.offload.manager.policies import available_policies
+from kvoffload.offload.manager.policies import available_policies, policy_factory
 from kvoffload.offload.pool import plan_host_pool_from_config
 from kvoffload.tiers import tiering_config_from_extra
 from kvoffload.translate._snapshot import with_value
@@ -74,12 +75,7 @@ def validate_runnable(snapshot: EngineSnapshot, config: OffloadingConfig) -> Non
     if "cpu_bytes_to_use" in extra:
         _check_budget(extra["cpu_bytes_to_use"], config)
     if "eviction_policy" in extra:
-        policy = extra["eviction_policy"]
-        if not isinstance(policy, str) or policy not in available_policies():
-            raise ConfigError(
-                f"kv_connector_extra_config['eviction_policy']={policy!r} is not a known cache policy "
-                f"(known: {', '.join(available_policies())})"
-            )
+        _check_policy(extra["eviction_policy"], extra.get("cache_policy_module_path"))
     _check_options(extra)
     _check_tiers(extra)
 
@@ -122,6 +118,22 @@ def _check_budget(raw: object, config: OffloadingConfig) -> None:
         plan_host_pool_from_config(config)
     except HostMemoryError as exc:
         raise ConfigError(f"{field}={raw!r} holds no chunk: {exc}") from None
+
+
+def _check_policy(policy: object, module_path: object) -> None:
+    """A registered policy name, or (with ``cache_policy_module_path``) a CachePolicy class of that module."""
+    if isinstance(policy, str) and module_path is not None and policy not in available_policies():
+        if not isinstance(module_path, str):
+            raise ConfigError(
+                f"kv_connector_extra_config['cache_policy_module_path']={module_path!r} is not a module path"
+            )
+        policy_factory(policy, module_path)
+        return
+    if not isinstance(policy, str) or policy not in available_policies():
+        raise ConfigError(
+            f"kv_connector_extra_config['eviction_policy']={policy!r} is not a known cache policy "
+            f"(known: {', '.join(available_policies())}; an out-of-tree one needs cache_policy_module_path)"
+        )
 
 
 def _check_options(extra: Mapping[str, object]) -> None:

@@ -24,6 +24,7 @@ This is the only kvoffload module that imports vllm; it needs the ``vllm`` extra
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,7 @@ try:  # request-level receive failures (vLLM 0.32); releases without them only c
 except ImportError:  # pragma: no cover - depends on the installed vLLM
     KVConnectorTransferResults = None
 
-from kvoffload._generated import LoadMode
+from kvoffload._generated import LoadMode, OffloadingConfig
 from kvoffload.errors import ConfigError
 from kvoffload.integrations.vllm._config import connector_tiering, parse_connector_config, parse_tiering_config
 from kvoffload.integrations.vllm._messages import (
@@ -86,6 +87,17 @@ logger = logging.getLogger("vllm.kvoffload")  # a child of vLLM's logger: printe
 # ------------------------------------------------------------------------------------------------------------
 
 
+def _replicated_pool_id(config: OffloadingConfig) -> str | None:
+    """The shared host pool of an engine whose ranks all offload the same bytes (a replicated layout, e.g. MLA,
+    over more than one rank): one ``/dev/shm`` region for all of them, as vLLM 0.33's shared offload region,
+    so the host budget is not held once per rank. None otherwise (each rank keeps its own slot). vLLM gives
+    every engine its own ``engine_id`` (a uuid); each data-parallel engine has its own pool."""
+    if not config.replicated_layout or config.parallel.world_size <= 1:
+        return None
+    name = f"vllm-{config.engine_id}-dp{config.parallel.data_parallel_index}"
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", name)[:200]
+
+
 class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector that offloads prefix KV to a host pool and reloads it on later prefix hits."""
 
@@ -102,10 +114,16 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 "kv_connector_extra_config['load_mode']='sync' needs a single KV cache group: vLLM can only "
                 "recompute failed blocks of hybrid models for asynchronous loads"
             )
+        if options.sync_load_budget_bytes and len(kv_cache_config.kv_cache_groups) > 1:
+            raise ConfigError(
+                "kv_connector_extra_config['sync_load_budget_bytes'] needs a single KV cache group: vLLM can only "
+                "recompute failed blocks of hybrid models for asynchronous loads"
+            )
         self._scheduler: _SchedulerHalf | None = None
         self._worker: _WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _SchedulerHalf(self.offloading_config, options, tiering)
+            on_cpu = vllm_config.device_config.device_type == "cpu"
+            self._scheduler = _SchedulerHalf(self.offloading_config, options, tiering, engine_on_cpu=on_cpu)
             if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
                 logger.warning(
                     "kvoffload: kv_load_failure_policy=%r makes vLLM fail a request whose host load fails (e.g. a "
@@ -120,6 +138,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 multi_group=len(kv_cache_config.kv_cache_groups) > 1,
                 checksums=options.checksums,
                 tiering=tiering,
+                shared_pool_id=_replicated_pool_id(self.offloading_config),
             )
 
     @property

@@ -11,9 +11,7 @@ from kvoffload.tiers import tiering_config_from_extra
 
 _UNSUPPORTED_KEYS = {
     "spec_module_path": "out-of-tree offloading specs are vLLM's; kvoffload's connector is its own spec",
-    "cache_policy_module_path": "register the policy in-process with kvoffload.register_policy instead",
     "self_describing_kv_events": "only vLLM's placeholder KV events are published",
-    "sync_load_budget_bytes": "use load_mode='sync' to load every hit inside the step",
 }
 
 

@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvoffload.errors import ConfigError
-from kvoffload.metrics import STAT_METRICS
+from kvoffload.metrics import STAT_METRICS, TIER_METRICS, TIERING_METRICS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -43,7 +43,8 @@ class KVOffloadConnectorStats(KVConnectorStats):
     """kvoffload's counters over one interval, in vLLM's connector stats (its "KV Transfer metrics" log line).
 
     ``data`` maps counter names (:class:`~kvoffload.SchedulerStats` fields) to the increase since the last
-    report; aggregation adds them.
+    report; aggregation adds them. A secondary tier's counters are named ``<metric>@<tier>`` (``tier`` as vLLM's
+    tiering labels it, ``1:fs``; see :data:`~kvoffload.metrics.TIER_METRICS`).
     """
 
     def reset(self) -> None:
@@ -56,7 +57,11 @@ class KVOffloadConnectorStats(KVConnectorStats):
         return KVOffloadConnectorStats(data=merged)
 
     def reduce(self) -> dict[str, int | float]:
-        return {f"kvoffload_{name}": value for name, value in sorted(self.data.items())}
+        out: dict[str, int | float] = {}
+        for name, value in sorted(self.data.items()):
+            metric, _, tier = name.partition("@")
+            out[f"kvoffload_{metric}{{tier={tier}}}" if tier else f"kvoffload_{name}"] = value
+        return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -65,7 +70,9 @@ class KVOffloadConnectorStats(KVConnectorStats):
 class KVOffloadPromMetrics(KVConnectorPromMetrics):
     """kvoffload's counters in vLLM's own Prometheus registry: ``kvoffload_<name>_total``, per engine label.
 
-    Miss reasons go into ``kvoffload_lookup_misses_by_reason_total{reason=...}``.
+    Miss reasons go into ``kvoffload_lookup_misses_by_reason_total{reason=...}``. Secondary tiers' counters take
+    vLLM 0.33's tiering names where vLLM has the figure (``vllm:kv_offload_tiering_read_bytes_total{tier="1:fs"}``),
+    ``kvoffload_<name>_total{tier=...}`` otherwise (:data:`~kvoffload.metrics.TIER_METRICS`).
     """
 
     def __init__(
@@ -87,13 +94,27 @@ class KVOffloadPromMetrics(KVConnectorPromMetrics):
             documentation="kvoffload lookups that loaded nothing, by the reason of their first miss",
             labelnames=[*labelnames, "reason"],
         )
+        self._tier_counters: dict[str, Any] = {}  # data name (without "@tier") -> counter labelled by tier
+        for metric, vllm_name, doc in TIER_METRICS.values():
+            name = vllm_name or f"kvoffload_{metric}"
+            self._tier_counters[metric] = self._counter_cls(
+                name=name, documentation=doc, labelnames=[*labelnames, "tier"]
+            )
+        for metric, vllm_name, doc in TIERING_METRICS.values():
+            counter = self._counter_cls(
+                name=vllm_name or f"kvoffload_{metric}", documentation=doc, labelnames=labelnames
+            )
+            self._children[metric] = {e: counter.labels(*v) for e, v in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         values = self.per_engine_labelvalues[engine_idx]
         for name, value in transfer_stats_data.items():
             if value <= 0:
                 continue
-            if name.startswith("lookup_misses_"):
+            metric, _, tier = name.partition("@")
+            if tier and metric in self._tier_counters:
+                self._tier_counters[metric].labels(*values, tier).inc(value)
+            elif name.startswith("lookup_misses_"):
                 self._by_reason.labels(*values, name.removeprefix("lookup_misses_")).inc(value)
             elif name in self._children:
                 self._children[name][engine_idx].inc(value)

@@ -22,14 +22,17 @@ from kvoffload._generated import (
     WorkerReport,
 )
 from kvoffload.assembly import build_scheduler
-from kvoffload.metrics import STAT_METRICS
-from kvoffload.offload.pool import plan_host_pool_from_config
+from kvoffload.metrics import STAT_METRICS, TIER_METRICS, TIERING_METRICS
+from kvoffload.offload.pool import HostPoolPlan, plan_host_pool_from_config
+from kvoffload.offload.scheduler import SchedulerStats, parse_load_tiers
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvoffload.tiers import Tiering, TierStatsRow
 
 from kvoffload.integrations.vllm._messages import (
     KVOffloadConnectorMetadata,
@@ -57,7 +60,12 @@ class _SchedulerHalf:
     """Drives one OffloadScheduler from vLLM's scheduler-side hooks."""
 
     def __init__(
-        self, config: OffloadingConfig, options: VLLMConnectorConfig, tiering: TieringConfig | None = None
+        self,
+        config: OffloadingConfig,
+        options: VLLMConnectorConfig,
+        tiering: TieringConfig | None = None,
+        *,
+        engine_on_cpu: bool = False,
     ) -> None:
         pool = plan_host_pool_from_config(config)
         self.scheduler = build_scheduler(
@@ -66,6 +74,7 @@ class _SchedulerHalf:
             tiering=tiering,
             enable_events=config.enable_kv_cache_events,
             null_block_id=_NULL_BLOCK_ID,
+            log=logger,
         )
         self.async_loads = options.load_mode is LoadMode.ASYNC
         self._group_ids = [g.group_id for g in config.groups]
@@ -74,14 +83,19 @@ class _SchedulerHalf:
         self._generation = itertools.count()
         self._reported: dict[str, float] = {}
         self.preemptions = 0
-        logger.info(
-            "kvoffload: host pool of %d chunks x %d bytes (%d GPU blocks per chunk, %s, %s loads)",
-            pool.num_chunks,
-            pool.row_bytes,
-            config.cache.blocks_per_chunk,
-            options.eviction_policy,
-            options.load_mode.value,
-        )
+        self._closed = False
+        tiers_in = self._tiering()
+        tiers = tiers_in.describe() if tiers_in is not None else []
+        logger.info("%s", start_line(pool, config, options, engine_on_cpu=engine_on_cpu, tiers=tiers))
+
+    def _tiering(self) -> Tiering | None:
+        """The scheduler's tiers, when it has any."""
+        ext = self.scheduler.extension
+        if ext is None:
+            return None
+        from kvoffload.tiers import Tiering
+
+        return ext if isinstance(ext, Tiering) else None
 
     def track(self, request: Request) -> _Tracked:
         """The tracked state of ``request``, registering it with the scheduler the first time it is seen."""
@@ -99,6 +113,7 @@ class _SchedulerHalf:
             prompt_len=min(request.num_prompt_tokens, request.num_tokens),
             max_load_tokens=_limit(params, "max_load_tokens"),
             max_offload_tokens=_limit(params, "max_offload_tokens"),
+            load_tiers=parse_load_tiers(params["kv_load_tiers"], log=logger) if "kv_load_tiers" in params else None,
         )
         tracked = _Tracked(request, sid, [0] * len(self._group_ids), len(hashes))
         self._tracked[request.request_id] = tracked
@@ -125,7 +140,8 @@ class _SchedulerHalf:
         hit = self.scheduler.lookup(tracked.sid, num_computed_tokens)
         if hit is None:
             return None, False
-        return hit, bool(hit) and self.async_loads
+        # A hit within the step's sync_load_budget_bytes loads inside the step, as with load_mode='sync'.
+        return hit, bool(hit) and self.async_loads and not self.scheduler.is_sync_load(tracked.sid)
 
     def allocated(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tracked = self.track(request)
@@ -196,6 +212,12 @@ class _SchedulerHalf:
             self.scheduler.on_worker_reports(reports)
 
     def close(self) -> None:
+        """Log the run's summary once, then release the tiers."""
+        if self._closed:
+            return
+        self._closed = True
+        tiering = self._tiering()
+        logger.info("%s", shutdown_line(self.scheduler.stats(), tiering.stats if tiering is not None else ()))
         self.scheduler.close()
 
     def interval_stats(self) -> KVOffloadConnectorStats:
@@ -204,6 +226,12 @@ class _SchedulerHalf:
         now: dict[str, float] = {metric: getattr(stats, field) for field, metric in STAT_METRICS.items()}
         for reason, count in stats.lookup_miss_reasons.items():
             now[f"lookup_misses_{reason.value}"] = count
+        tiering = self._tiering()
+        if tiering is not None:  # per tier, as vLLM's tiering labels its tiers: "<metric>@1:fs"
+            for row in tiering.stats:
+                now.update((f"{TIER_METRICS[f][0]}@{row.vllm_label}", getattr(row, f)) for f in TIER_METRICS)
+            counters = tiering.counters()
+            now.update((metric, counters.get(key, 0)) for key, (metric, _, _) in TIERING_METRICS.items())
         delta: dict[str, Any] = {}
         for name, value in now.items():
             previous = self._reported.get(name, 0)
@@ -234,6 +262,45 @@ class _SchedulerHalf:
                     )
                 )
         return converted
+
+
+def start_line(
+    pool: HostPoolPlan,
+    config: OffloadingConfig,
+    options: VLLMConnectorConfig,
+    *,
+    engine_on_cpu: bool,
+    tiers: Sequence[str] = (),
+) -> str:
+    """The connector's start line: the host pool, its chunking in engine blocks, the policy, and every tier."""
+    blocks = "engine" if engine_on_cpu else "GPU"
+    line = (
+        f"kvoffload: host pool of {pool.num_chunks} chunks x {pool.row_bytes} bytes "
+        f"({config.cache.blocks_per_chunk} {blocks} blocks per chunk, {options.eviction_policy}, "
+        f"{options.load_mode.value} loads)"
+    )
+    if tiers:
+        line += f"; {len(tiers)} secondary tier{'s' if len(tiers) > 1 else ''}: " + "; ".join(tiers)
+    return line
+
+
+def shutdown_line(stats: SchedulerStats, tiers: Sequence[TierStatsRow] = ()) -> str:
+    """The connector's summary at shutdown: chunks stored and loaded, tier cascades and promotions, misses."""
+    line = (
+        f"kvoffload: shutting down: stored {stats.chunks_stored} chunks ({stats.tokens_stored} tokens), loaded "
+        f"{stats.chunks_loaded} chunks ({stats.tokens_loaded} tokens); {stats.lookups} lookups, "
+        f"{stats.lookup_hits} hits, {stats.lookups_deferred} re-asks; failed loads {stats.failed_loads}, "
+        f"failed stores {stats.failed_stores}, corrupt loads {stats.corrupt_loads}"
+    )
+    for row in tiers:
+        line += (
+            f"; secondary_tiers[{row.index}] ({row.name}): cascaded {row.cascaded_chunks} chunks "
+            f"({row.cascade_failures} failed, {row.dropped_chunks} dropped), promoted {row.promoted_chunks} "
+            f"({row.promotion_failures} failed), {row.outages} outage{'' if row.outages == 1 else 's'}"
+        )
+    reasons = sorted(stats.lookup_miss_reasons.items(), key=lambda item: (-item[1], item[0].value))
+    misses = ", ".join(f"{reason.value} {count}" for reason, count in reasons) or "none"
+    return f"{line}; lookup misses by reason: {misses}"
 
 
 def _limit(params: Mapping[str, object], key: str) -> int | None:

@@ -39,12 +39,13 @@ class _WorkerHalf:
     multi_group: bool
     checksums: bool
     tiering: TieringConfig | None = None
+    shared_pool_id: str | None = None
     on_cpu: bool = True
     worker: OffloadWorker | None = None
     parts: WorkerParts | None = None
     plan: StepPlan | None = None
     started: KVConnectorMetadata | None = None
-    loads: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
+    loads: dict[int, tuple[str, list[int], bool]] = field(default_factory=dict)  # job -> request, blocks, in-step
     reports: list[bytes] = field(default_factory=list)
     failed_blocks: set[int] = field(default_factory=set)
     failed_requests: set[str] = field(default_factory=set)
@@ -65,7 +66,14 @@ class _WorkerHalf:
                         f"the KVCacheConfig places it at {layer.engine_offset}"
                     )
         self.on_cpu = flat.device.type == "cpu"
-        self.parts = build_worker(self.config, flat, layout, tiering=self.tiering, checksums=self.checksums)
+        self.parts = build_worker(
+            self.config,
+            flat,
+            layout,
+            tiering=self.tiering,
+            checksums=self.checksums,
+            shared_pool_id=self.shared_pool_id,
+        )
         self.worker = self.parts.worker
 
     @property
@@ -90,12 +98,24 @@ class _WorkerHalf:
             return  # the same step's metadata as another object
         self.plan = plan
         for job in plan.load_jobs:
-            self.loads[job.job_id] = (job.req_id, Int64Array.from_buffer(job.block_ids).tolist())
+            self.loads[job.job_id] = (
+                job.req_id,
+                Int64Array.from_buffer(job.block_ids).tolist(),
+                self.sync_loads or job.sync,
+            )
         self._worker().start_step(plan)
 
     def wait_loads(self) -> None:
-        if self.sync_loads and self.plan is not None and self.plan.load_jobs:
+        """Before the forward pass: wait for the loads it reads (every load with load_mode='sync', else the jobs
+        the scheduler made synchronous under sync_load_budget_bytes)."""
+        if self.plan is None or not self.plan.load_jobs:
+            return
+        if self.sync_loads:
             self._worker().wait_for_loads(self.plan)
+            return
+        in_step = [job.job_id for job in self.plan.load_jobs if job.sync]
+        if in_step:
+            self._worker().engine.wait(in_step)
 
     def end(self) -> None:
         if self.plan is not None:
@@ -110,6 +130,7 @@ class _WorkerHalf:
         # the GIL with vLLM's busy engine loop and a load takes hundreds of steps (measured: no TTFT gain at all).
         if self.on_cpu:
             self.worker.engine.wait(self.worker.in_flight)
+            self.worker.wait_for_promotions()
         elif self.plan.load_jobs:
             self.worker.wait_for_loads(self.plan)
         report = self.worker.report(self.plan.step)
@@ -121,7 +142,7 @@ class _WorkerHalf:
             entry = self.loads.pop(result.job_id, None)
             if entry is None:
                 continue
-            req_id, blocks = entry
+            req_id, blocks, in_step = entry
             if not result.success:
                 # vLLM maps failed block ids back to requests only for single-group models; hybrid models
                 # report the request instead (asynchronous loads only, enforced at start).
@@ -129,7 +150,7 @@ class _WorkerHalf:
                     results.failed.add(_vllm_request_id(req_id))
                 else:
                     self.failed_blocks.update(blocks)
-            if not self.sync_loads:
+            if not in_step:  # vLLM waits for finished_recving of asynchronous loads only
                 results.finished.add(_vllm_request_id(req_id))
         return results
 

@@ -1,8 +1,9 @@
 """Scheduler-side bookkeeping of the host pool: which chunk holds which key, in which state.
 
 :class:`HostBlockManager` reproduces vLLM 0.33's ``CPUOffloadingManager``: chunk ids,
-evicted keys, lookup results and event order are identical for the same call sequence (without vLLM's
-per-request position hints). A key's chunk is *pending* while its write is in flight (vLLM
+evicted keys, lookup results and event order are identical for the same call sequence, with or without vLLM's
+per-request position hints (a request's :class:`~kvoffload.offload.manager.policies.RequestContext`, see
+:meth:`HostBlockManager.request_context`). A key's chunk is *pending* while its write is in flight (vLLM
 ``ref_cnt == -1``), *ready* once the store completed (``0``) and *pinned* while loads read it (``> 0``).
 Only ready, unpinned chunks are evicted, never a key of the current offer, and never partially.
 
@@ -23,9 +24,10 @@ from kvoffload._ints import check_int
 from kvoffload.errors import ConfigError, InvalidStateError
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.manager._offers import DepartureLog, OfferTracker
+from kvoffload.offload.manager._requests import request_key_groups
 from kvoffload.offload.manager._results import LookupResult, ManagerStats, OffloadEvent, StorePlan
 from kvoffload.offload.manager._table import ChunkTable
-from kvoffload.offload.manager.policies import CachePolicy, make_policy
+from kvoffload.offload.manager.policies import CachePolicy, RequestContext, make_policy
 
 __all__ = ["HostBlockManager"]
 
@@ -38,6 +40,8 @@ class HostBlockManager:
     only stores keys offered at least that many times (counted per ``prepare_store`` offer in an LRU
     tracker of ``max_tracker_size`` keys, as vLLM 0.33.0 does); 0 and 1 store on first offer.
     ``max_departures`` bounds the memory of why keys left the pool (see :meth:`miss_reason`).
+    ``cache_policy_module_path`` (vLLM's key) makes an unregistered ``policy`` the name of a
+    :class:`CachePolicy` subclass in that module (an out-of-tree policy).
 
     Chunk ids come fresh in increasing order until the pool has been used once, then from a LIFO free
     list. ``prepare_store`` returns ``None`` when room cannot be made; it never evicts a key of its own
@@ -46,6 +50,7 @@ class HostBlockManager:
 
     __slots__ = (
         "_alloc_sizes",
+        "_contexts",
         "_departures",
         "_dropped_total",
         "_events",
@@ -65,6 +70,7 @@ class HostBlockManager:
         store_threshold: int = 0,
         max_tracker_size: int = 64_000,
         max_departures: int = 65_536,
+        cache_policy_module_path: str | None = None,
     ) -> None:
         num_chunks = check_int("num_chunks", num_chunks, 0)
         store_threshold = check_int("store_threshold", store_threshold, 0)
@@ -73,7 +79,7 @@ class HostBlockManager:
             raise ConfigError(f"enable_events must be a bool, got {enable_events!r}")
         if not isinstance(policy, str):
             raise ConfigError(f"policy must be a str, got {policy!r}")
-        self._table = ChunkTable(num_chunks, make_policy(policy, num_chunks))
+        self._table = ChunkTable(num_chunks, make_policy(policy, num_chunks, cache_policy_module_path))
         self._policy_name = policy
         self._offers = OfferTracker(store_threshold, max_tracker_size)
         self._departures = DepartureLog(check_int("max_departures", max_departures, 1))
@@ -82,6 +88,7 @@ class HostBlockManager:
         self._stored_total = 0
         self._evicted_total = 0
         self._dropped_total = 0
+        self._contexts: dict[str, RequestContext] = {}  # request id -> its context, until it finishes
 
     # ------------------------------------------------------------------ introspection
 
@@ -144,6 +151,25 @@ class HostBlockManager:
         """
         return self._table.has_pending_work()
 
+    def request_context(self, request_id: str) -> RequestContext:
+        """The context of request ``request_id``, created on first use: record its keys' end-token positions there
+        (``set_offload_key_position``, as vLLM's connector does for every chunk key it derives).
+
+        Calls that name the request (``request_id=``) hand the context to the policy: LRU ranks a stored key
+        with a position at ``(request rank, -position)`` and raises the keys the request loads or finds stored
+        (tails before heads, the whole request before later requests), and a finish refreshes the keys in
+        position order. :meth:`on_request_finished` with the request id drops it.
+        """
+        ctx = self._contexts.get(request_id)
+        if ctx is None:
+            if not isinstance(request_id, str):
+                raise ConfigError(f"request_id must be a str, got {request_id!r}")
+            ctx = self._contexts[request_id] = RequestContext(request_id)
+        return ctx
+
+    def _context(self, request_id: str | None) -> RequestContext | None:
+        return None if request_id is None else self._contexts.get(request_id)
+
     # ------------------------------------------------------------------ lookups and loads
 
     def lookup(self, key: OffloadKey) -> LookupResult:
@@ -154,13 +180,18 @@ class HostBlockManager:
         """
         return self._table.lookup(key)
 
-    def prepare_load(self, keys: Sequence[OffloadKey]) -> list[int]:
+    def prepare_load(self, keys: Sequence[OffloadKey], *, request_id: str | None = None) -> list[int]:
         """Pin ``keys`` for reading and return their chunk ids in key order.
 
         Every key must be stored and ready, else :class:`InvalidStateError` names it and nothing stays
-        pinned. A key may be pinned several times; each pin needs one :meth:`complete_load`.
+        pinned. A key may be pinned several times; each pin needs one :meth:`complete_load`. With the
+        ``request_id`` of a request with a context, the policy observes the access (``on_request_access``).
         """
-        return self._table.prepare_load(keys)
+        chunk_ids = self._table.prepare_load(keys)
+        ctx = self._context(request_id)
+        if ctx is not None:
+            self._table.policy.on_request_access(keys, ctx)
+        return chunk_ids
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
         """Release one pin per key taken by :meth:`prepare_load`; a chunk becomes evictable at zero pins.
@@ -169,9 +200,9 @@ class HostBlockManager:
         """
         self._table.complete_load(keys)
 
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey], *, request_id: str | None = None) -> None:
         """Record an access to resident ``keys`` for the policy; ``keys[0]`` ends most recent."""
-        self._table.touch(keys)
+        self._table.touch(keys, self._context(request_id))
 
     def prepare_store(self, keys: Sequence[OffloadKey], *, request_id: str | None = None) -> StorePlan | None:
         """Allocate chunks for the offered keys that are not resident, evicting if needed.
@@ -181,19 +212,31 @@ class HostBlockManager:
         as they are and protected from eviction. ``request_id`` lets the policy observe each store miss
         once per request across retries, as vLLM does per request context (the memory is dropped by
         ``on_request_finished(..., request_id=...)`` or :meth:`reset`); without it every call counts as
-        its own request. Follow with :meth:`complete_store` for ``keys_to_store``.
+        its own request. With a :meth:`request_context`, the policy also sees the request's positions: it observes
+        the offered keys already stored (``on_request_access``) and inserts the new ones by position.
+        Follow with :meth:`complete_store` for ``keys_to_store``.
         """
         table = self._table
         to_store = self._offers.filter(keys, [key for key in keys if key not in table])
+        ctx = self._context(request_id)
         if not to_store:
+            if ctx is not None:
+                table.policy.on_request_access([key for key in keys if table.is_ready(key)], ctx)
             return StorePlan([], [], [])
         n = len(to_store)
         if n > 1 and len(set(to_store)) != n:
             to_store = list(dict.fromkeys(to_store))
             n = len(to_store)
         misses = self._offers.new_store_misses(request_id, to_store)
+        policy = table.policy
         if misses:
-            table.policy.on_store_miss(misses)
+            if ctx is None:
+                policy.on_store_miss(misses)  # a policy written for 1.4 takes no context
+            else:
+                policy.on_store_miss(misses, ctx)
+        if ctx is not None:  # vLLM: the offer's store candidates and stored keys, in offer order
+            candidates = set(to_store)
+            policy.on_request_access([key for key in keys if key in candidates or table.is_ready(key)], ctx)
         self._alloc_sizes.add(n)
         evicted_keys = table.evict_for(n, keys)
         if evicted_keys is None:
@@ -203,7 +246,7 @@ class HostBlockManager:
             self._evicted_total += len(evicted_keys)
             if self._events is not None:
                 self._events.append(OffloadEvent(tuple(evicted_keys), True))
-        chunk_ids = table.allocate(to_store)
+        chunk_ids = table.allocate(to_store, ctx)
         return StorePlan(to_store, chunk_ids, evicted_keys)
 
     def complete_store(self, keys: Collection[OffloadKey], success: bool = True) -> None:
@@ -245,15 +288,25 @@ class HostBlockManager:
         self, keys: Sequence[OffloadKey], reused_keys: Collection[OffloadKey], *, request_id: str | None = None
     ) -> None:
         """Tell the policy a request finished: ``keys`` it stored or reused in prefix order, of which
-        ``reused_keys`` were hits (loaded or already stored when offered).
+        ``reused_keys`` were hits (loaded or already stored when offered); the others it only inserted.
 
-        Without position hints LRU refreshes all ``keys`` (``keys[0]`` most recent) and ARC promotes
-        reused keys, as vLLM 0.33. ``request_id`` also drops the request's store-miss memory.
+        Without a context LRU refreshes all ``keys`` (``keys[0]`` most recent) and ARC promotes reused keys,
+        as vLLM 0.33 without positions. With the ``request_id`` of a request with a :meth:`request_context`,
+        the policy gets vLLM's key groups: per KV-cache group (ascending group id), the keys in the given order,
+        sorted by recorded position when each has one; the context is dropped, as is the request's store-miss
+        memory.
         """
+        ctx = None
         if request_id is not None:
             self._offers.forget_request(request_id)
+            ctx = self._contexts.pop(request_id, None)
         reused: AbstractSet[OffloadKey] = reused_keys if isinstance(reused_keys, AbstractSet) else set(reused_keys)
-        self._table.policy.on_request_finished(keys, reused)
+        policy = self._table.policy
+        if ctx is None:
+            policy.on_request_finished(keys, reused)  # the 1.4 form: one group, the keys not reused are insertions
+            return
+        insertion_only = {key for key in keys if key not in reused}
+        policy.on_request_finished(request_key_groups(keys, ctx), insertion_only, reused, ctx)
 
     def take_events(self) -> list[OffloadEvent]:
         """Return and forget the events collected since the last call (always empty when disabled).

@@ -12,7 +12,7 @@ from collections.abc import Collection, Sequence
 from kvoffload.errors import InvalidStateError
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.manager._results import LookupResult
-from kvoffload.offload.manager.policies import CachePolicy
+from kvoffload.offload.manager.policies import CachePolicy, RequestContext
 
 __all__ = ["ChunkTable"]
 
@@ -178,9 +178,12 @@ class ChunkTable:
             self._evictable += len(released)
             self._policy.mark_evictable_many(released)
 
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey], ctx: RequestContext | None = None) -> None:
         """Record an access to resident ``keys`` for the policy; ``keys[0]`` ends most recent."""
-        self._policy.touch(keys)
+        if ctx is None:
+            self._policy.touch(keys)  # a policy written for 1.4 takes no context
+        else:
+            self._policy.touch(keys, ctx)
 
     def _free_key(self, key: OffloadKey) -> None:
         """Forget a resident key and free its chunk (no event, no counters)."""
@@ -234,8 +237,10 @@ class ChunkTable:
         self._evictable -= len(keys)
         return keys
 
-    def allocate(self, keys: list[OffloadKey]) -> list[int]:
-        """Give each of ``keys`` (absent, distinct, room made) a chunk, its write pending; their chunk ids."""
+    def allocate(self, keys: list[OffloadKey], ctx: RequestContext | None = None) -> list[int]:
+        """Give each of ``keys`` (absent, distinct, room made) a chunk, its write pending; their chunk ids.
+
+        ``ctx``: the request storing them, for the policy."""
         n = len(keys)
         free = self._free
         fresh = min(n, self._num_chunks - self._next_fresh)
@@ -249,7 +254,10 @@ class ChunkTable:
             chunk_ids += reused
         self._ref.update(dict.fromkeys(keys, -1))
         self._cid.update(zip(keys, chunk_ids, strict=True))
-        self._policy.insert_many(keys, chunk_ids)
+        if ctx is None:
+            self._policy.insert_many(keys, chunk_ids)
+        else:
+            self._policy.insert_many(keys, chunk_ids, ctx)
         self._write_pending += n
         return chunk_ids
 

@@ -1,4 +1,4 @@
-"""Shared-memory pool files and host memory checks: naming, sweeping stale files, prefaulting, fitting.
+"""Shared-memory pool files and host memory checks: naming, sweeping stale files, fitting.
 
 A shared host pool is one file under ``/dev/shm`` that every rank maps (vLLM 0.33's shared offload region),
 so a replicated offload (``replicated_layout``) keeps one copy of the cache for all ranks.
@@ -7,20 +7,18 @@ so a replicated offload (``replicated_layout``) keeps one copy of the cache for 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import re
 from pathlib import Path
 
 from kvoffload._procs import pid_alive
 from kvoffload.errors import ConfigError, HostMemoryError
-from kvoffload.offload.pool._plan import PAGE_SIZE, HostPoolPlan
+from kvoffload.offload.pool._plan import HostPoolPlan
 
 __all__ = [
     "available_host_memory_bytes",
     "check_pools_fit",
     "owned_pool_id",
-    "prefault",
     "shared_pool_path",
     "sweep_stale_pools",
 ]
@@ -99,31 +97,3 @@ def check_pools_fit(plans: list[HostPoolPlan], *, shared: bool, available: int |
             f"host pools need {needed} bytes ({what}) but only {free} bytes of host memory are available; "
             f"lower cpu_bytes_to_use (={plans[0].cpu_bytes_to_use}, the total across all workers)"
         )
-
-
-_MADV_POPULATE_WRITE = 23
-"""Linux 5.14+: fault pages in writable without changing them (Python 3.11's mmap has no name for it)."""
-
-
-def prefault(mapping: mmap.mmap, ranges: list[tuple[int, int]]) -> None:
-    """Map every page of ``ranges`` into this process now, writable.
-
-    A fresh shared mapping has no pages: the first write to each 4 KiB page takes a fault (allocating and
-    zeroing it in the creator, mapping it in every other rank), which made stores into a shared pool ~5x
-    slower than into a private pool (whose ``torch.zeros`` touched every page up front). Kernels without
-    ``MADV_POPULATE_WRITE`` get a read-modify-write of one byte per page instead (the pool is not in use yet).
-    """
-    try:
-        for start, length in ranges:
-            if length > 0:
-                mapping.madvise(_MADV_POPULATE_WRITE, start, length)
-        return
-    except (OSError, ValueError):
-        pass
-    view = memoryview(mapping)
-    try:
-        for start, length in ranges:
-            for page in range(start, start + length, PAGE_SIZE):
-                view[page] |= 0
-    finally:
-        view.release()

@@ -9,6 +9,7 @@ With CUDA the rows are page-locked in the background (:mod:`._pinning`): exactly
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import mmap
 import os
@@ -21,10 +22,11 @@ import torch
 
 from kvoffload._ints import round_up
 from kvoffload.errors import ConfigError, HostMemoryError, InvalidStateError, WorkerError
-from kvoffload.offload.pool._files import available_host_memory_bytes, prefault, shared_pool_path
+from kvoffload.offload.pool._files import available_host_memory_bytes, shared_pool_path
 from kvoffload.offload.pool._integrity import IntegrityTable
 from kvoffload.offload.pool._pinning import HostRegistration, pin_bytes
 from kvoffload.offload.pool._plan import PAGE_SIZE, HostPoolPlan, table_entries
+from kvoffload.offload.pool._prefault import BackgroundPrefault
 from kvoffload.offload.pool._reservations import reserve_host_memory
 
 __all__ = ["HostPool"]
@@ -50,6 +52,7 @@ class _Resources:
         self.owns_file = False  # created the file and has not removed it yet
         self.created = False
         self.registration: HostRegistration | None = None
+        self.prefault: BackgroundPrefault | None = None
 
     def unlink(self) -> None:
         if self.owns_file and self.path is not None:
@@ -58,6 +61,8 @@ class _Resources:
                 os.unlink(self.path)
 
     def release(self) -> None:
+        if self.prefault is not None:
+            self.prefault.stop()
         if self.registration is not None:
             self.registration.close()  # waits for a registration still running, then unregisters
             self.registration = None
@@ -116,14 +121,23 @@ class HostPool:
             self._slot_offset = 0
             requested = plan.num_chunks * self._row_bytes
             shape = (plan.num_chunks, self._row_bytes)
-            with self._reserved(requested, check_memory, shm_dir):
-                if want_pin and requested > 0:
-                    # exactly the rows, page-aligned, zero pages faulted in by the registration (not here)
-                    mapping = mmap.mmap(-1, requested, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                    self._rows = torch.frombuffer(mapping, dtype=torch.uint8, count=requested).view(shape)
+            reservation = contextlib.ExitStack()
+            reservation.enter_context(self._reserved(requested, check_memory, shm_dir))
+            if requested == 0:
+                reservation.close()
+                self._rows = torch.zeros(shape, dtype=torch.uint8)
+            else:
+                # exactly the rows, page-aligned, reading as zeros: the registration (CUDA) or a background
+                # thread faults them in, not the constructor (a pool of tens of GiB would hold the start)
+                mapping = mmap.mmap(-1, requested, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                self._rows = torch.frombuffer(mapping, dtype=torch.uint8, count=requested).view(shape)
+                if want_pin:
+                    reservation.close()
                     self._pin(self._rows)
                 else:
-                    self._rows = torch.zeros(shape, dtype=torch.uint8)  # zero-filled: resident on return
+                    self._res.prefault = BackgroundPrefault(
+                        mapping, self._rows.data_ptr(), [(0, requested)], on_done=reservation.close
+                    )
             meta = torch.zeros(table_entries(plan.num_chunks, 1, plan.blocks_per_chunk) * 3, dtype=torch.int64)
             self._integrity = IntegrityTable(
                 meta, num_chunks=plan.num_chunks, slots=1, slot=0, blocks_per_chunk=plan.blocks_per_chunk
@@ -178,14 +192,23 @@ class HostPool:
                         plan,
                         self._row_bytes,
                     )
-                with self._reserved(total, check_memory, path.parent):
+                reservation = contextlib.ExitStack()
+                reservation.enter_context(self._reserved(total, check_memory, path.parent))
+                try:
                     os.ftruncate(res.fd, total)
                     mapping = mmap.mmap(res.fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                    prefault(mapping, self._own_ranges(total))
+                except BaseException:
+                    reservation.close()
+                    raise
             else:
+                reservation = contextlib.ExitStack()
                 self._wait_for_creator(res.fd, path, total, deadline, join_timeout_s)
                 mapping = mmap.mmap(res.fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                prefault(mapping, self._own_ranges(total))
+            # A fresh shared mapping has no pages: the first write to each takes a fault (allocating and zeroing
+            # it in the creator, mapping it in every other rank), which made stores ~5x slower than into a
+            # faulted-in pool; a background thread faults this rank's ranges in without holding the start.
+            address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+            res.prefault = BackgroundPrefault(mapping, address, self._own_ranges(total), on_done=reservation.close)
         except BaseException:
             res.release()
             raise
@@ -305,6 +328,18 @@ class HostPool:
     def path(self) -> Path | None:
         """The shared-memory file, or None for a private pool."""
         return self._res.path
+
+    @property
+    def is_prefaulted(self) -> bool:
+        """Whether the background thread has faulted every page of this process's rows in (or gave up: see
+        :meth:`wait_prefaulted`); until then the pool is usable, first touches fault pages in on demand."""
+        prefault = self._res.prefault
+        return prefault is None or prefault.done
+
+    def wait_prefaulted(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds for the background prefault; False if it is still running."""
+        prefault = self._res.prefault
+        return prefault is None or prefault.wait(timeout)
 
     @property
     def is_pinned(self) -> bool:

@@ -51,16 +51,33 @@ writes)."""
 
 @dataclass(frozen=True)
 class BlockSlots:
-    """The sub-blocks one job touches: table entry, chunk id, host byte range and expected key tag of each."""
+    """The sub-blocks one job touches: table entry, chunk id, host byte range and expected key tag of each.
+
+    ``host_offsets`` and ``lengths`` are lists of ints or int64 arrays (what the copy engine builds: the native
+    kernel takes them as they are)."""
 
     entries: np.ndarray  # int64 index into the table
     chunk_ids: np.ndarray  # int64
-    host_offsets: list[int]  # into the flat host rows
-    lengths: list[int]
+    host_offsets: list[int] | np.ndarray  # into the flat host rows
+    lengths: list[int] | np.ndarray
     tags: np.ndarray  # int64
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """Host offsets and lengths as contiguous int64 arrays (views when they are already)."""
+        offsets = np.ascontiguousarray(self.host_offsets, dtype=np.int64)
+        lengths = np.ascontiguousarray(self.lengths, dtype=np.int64)
+        return offsets, lengths
+
+    def ranges(self) -> tuple[list[int], list[int]]:
+        """Host offsets and lengths as lists of ints (for loops in Python)."""
+        offsets, lengths = self.host_offsets, self.lengths
+        return (
+            offsets.tolist() if isinstance(offsets, np.ndarray) else offsets,
+            lengths.tolist() if isinstance(lengths, np.ndarray) else lengths,
+        )
 
 
 class IntegrityTable:
@@ -84,7 +101,24 @@ class IntegrityTable:
         """The raw table (for tests and tools)."""
         return self._storage
 
-    def entry_index(self, chunk_ids: np.ndarray, sub_blocks: np.ndarray) -> np.ndarray:
+    @property
+    def address(self) -> int:
+        """Where the table's rows start: per entry three int64, the tag, the checksum and the state, in that
+        order (the native copy kernel seals and verifies in its copy call; it writes the state last)."""
+        return int(self._meta.ctypes.data)
+
+    @staticmethod
+    def state_for(checksums: bool) -> int:
+        """The state a completed store writes and a load needs: :data:`SEALED` with checksums, else
+        :data:`TAGGED`."""
+        return SEALED if checksums else TAGGED
+
+    @staticmethod
+    def bad_chunks(slots: BlockSlots, bad: np.ndarray) -> list[int]:
+        """Chunk ids (sorted, unique) of the slots flagged in ``bad`` (one flag per slot)."""
+        return sorted({int(c) for c in slots.chunk_ids[bad.astype(bool, copy=False)]})
+
+    def entry_index(self, chunk_ids: np.ndarray, sub_blocks: np.ndarray | int) -> np.ndarray:
         """Table entries of this rank's ``sub_blocks`` of ``chunk_ids``."""
         entries: np.ndarray = (chunk_ids * self.slots + self.slot) * self.blocks_per_chunk + sub_blocks
         return entries
@@ -123,12 +157,12 @@ class IntegrityTable:
             ok &= rows[:, _SUM] == (_checksums(host, slots) if sums is None else _as_int64(sums))
         if bool(ok.all()):
             return []
-        return sorted({int(c) for c in slots.chunk_ids[~ok]})
+        return self.bad_chunks(slots, ~ok)
 
 
 def _checksums(host: memoryview, slots: BlockSlots) -> np.ndarray:
     """xxh3_64 of each host byte range, as int64."""
-    return _as_int64([_hash(host[o : o + n]) for o, n in zip(slots.host_offsets, slots.lengths, strict=True)])
+    return _as_int64([_hash(host[o : o + n]) for o, n in zip(*slots.ranges(), strict=True)])
 
 
 def _as_int64(digests: Digests) -> np.ndarray:

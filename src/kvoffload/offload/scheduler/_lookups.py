@@ -3,61 +3,113 @@ its blocks are allocated, and the reason for every wanted chunk it does not load
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence, Set
+from dataclasses import replace
+
 from kvoffload._generated import MissReason
+from kvoffload._ints import cdiv
 from kvoffload.offload.keys import OffloadKey
+from kvoffload.offload.manager import LookupResult
 from kvoffload.offload.scheduler._misses import GroupKeys, explain_lookup, primary_reason
-from kvoffload.offload.scheduler._scan import maximal_prefix_lookup, sliding_window_lookup
+from kvoffload.offload.scheduler._scan import prefix_run, sliding_window_lookup
 from kvoffload.offload.scheduler._state import RequestState, SchedulerBook
 
 __all__ = ["Lookups"]
 
+_TIER_COULD_HOLD = (MissReason.NEVER_STORED, MissReason.EVICTED)
+"""Pool reasons of a miss that a tier might have served (another engine stored it, or it was cascaded first)."""
+
 
 class Lookups:
-    """The lookup part of the offload scheduler: which chunks a request can load now, and why others miss."""
+    """The lookup part of the offload scheduler: which chunks a request can load now, and why others miss.
 
-    def __init__(self, book: SchedulerBook) -> None:
+    ``max_recompute_pending_tokens`` (0: off) bounds the wait for chunks whose store is in flight: when the run
+    from the first pending chunk to the end of a full-attention hit is at most that many tokens (whole chunks),
+    the hit is cut before it and those tokens are recomputed (vLLM PR 57959). ``sync_load_budget_bytes`` (0:
+    off) is vLLM 0.33's per-step budget of hits loaded inside the step: a hit of ``n`` tokens costs ``n`` times
+    the KV bytes of one token on one worker; it loads in-step while the step's budget covers it.
+    """
+
+    def __init__(
+        self, book: SchedulerBook, *, max_recompute_pending_tokens: int = 0, sync_load_budget_bytes: int = 0
+    ) -> None:
         self._book = book
         self._stats = book.stats
         self._manager = book.manager
+        self._recompute_pending = max_recompute_pending_tokens
+        self._sync_budget = sync_load_budget_bytes
+        self._sync_left = sync_load_budget_bytes
+        # KV bytes of one token on one worker: a block's bytes over its tokens (the smallest block of the groups:
+        # an upper bound when the groups' blocks differ).
+        self._block_bytes = book.config.worker_kv_bytes_per_block
+        self._tokens_per_block = min(g.tokens_per_block for g in book.groups)
 
-    def lookup(self, req_id: str, num_computed_tokens: int) -> int | None:
-        """The host-pool lookup of :meth:`OffloadScheduler.lookup`."""
+    def new_step(self) -> None:
+        """A step plan was built: the next step's sync-load budget starts full."""
+        self._sync_left = self._sync_budget
+
+    def lookup(self, req_id: str, num_computed_tokens: int, unavailable: Set[OffloadKey] = frozenset()) -> int | None:
+        """The host-pool lookup of :meth:`OffloadScheduler.lookup`; ``unavailable``: host misses a tier could not
+        be asked for (they miss as ``tier_unavailable``). Counts a final answer as a lookup, None as a re-ask."""
         req = self._book.request(req_id)
-        self._stats.lookups += 1
         self._book.release_pins(req)
         req.misses = ()
+        req.sync_load = False
         if req.jobs:
             self._stats.lookups_deferred += 1
             return None
         max_hit = req.num_tokens - 1
         if req.max_load_tokens is not None:
             max_hit = min(max_hit, num_computed_tokens + req.max_load_tokens)
-        hit = self._lookup_groups(req, num_computed_tokens, max_hit)
+        hit, recomputes_pending = self._lookup_groups(req, num_computed_tokens, max_hit)
         if hit is None:
             self._stats.lookups_deferred += 1
             self._explain(req, num_computed_tokens, num_computed_tokens, pending_only=True)
             return None
+        if recomputes_pending:
+            self._stats.pending_recomputes += 1
         if hit <= 0:
+            self._stats.lookups += 1
             self._stats.lookup_misses += 1
-            self._explain(req, num_computed_tokens, num_computed_tokens)
+            self._explain(req, num_computed_tokens, num_computed_tokens, unavailable=unavailable)
             return 0
         max_hit = num_computed_tokens + hit
+        # Chunks another request is loading right now are hits too: the host copy is ready and stays pinned by
+        # both loads, so this request loads them into its own blocks at once instead of waiting for the other
+        # load to land (vLLM 0.33 waits here: the convoy of vLLM issue 44294). See Transfers: shared loads.
         keys = self._hit_keys(req, num_computed_tokens, max_hit)
-        if any(k in self._book.loading for k in keys):
-            # Another request is loading these chunks into engine blocks; the engine's prefix cache will
-            # serve them once it finishes (vLLM waits for the same reason).
-            self._stats.lookups_deferred += 1
-            return None
-        self._manager.prepare_load(keys)
-        self._manager.touch(keys)
+        self._manager.prepare_load(keys, request_id=req.req_id)  # the policy sees the access (vLLM: no touch)
         req.pinned = keys
         req.hit_start, req.hit_end = num_computed_tokens, max_hit
+        req.sync_load = self._fits_sync_budget(req, hit)
+        self._stats.lookups += 1
         self._stats.lookup_hits += 1
-        self._explain(req, num_computed_tokens, max_hit)
+        self._explain(req, num_computed_tokens, max_hit, unavailable=unavailable)
         return max_hit - num_computed_tokens
 
-    def _explain(self, req: RequestState, num_computed: int, hit_end: int, *, pending_only: bool = False) -> None:
-        """Record why the wanted chunks outside ``[num_computed, hit_end)`` were not loaded (stats + per request)."""
+    def _fits_sync_budget(self, req: RequestState, hit: int) -> bool:
+        """Whether a hit of ``hit`` tokens loads inside this step (vLLM 0.33's rule); takes it from the budget."""
+        if not self._sync_budget or req.hit_end >= req.num_tokens:  # at least one token left to compute
+            return False
+        cost = cdiv(hit * self._block_bytes, self._tokens_per_block)
+        if cost > self._sync_left:
+            return False
+        self._sync_left -= cost
+        return True
+
+    def _explain(
+        self,
+        req: RequestState,
+        num_computed: int,
+        hit_end: int,
+        *,
+        pending_only: bool = False,
+        unavailable: Set[OffloadKey] = frozenset(),
+    ) -> None:
+        """Record why the wanted chunks outside ``[num_computed, hit_end)`` were not loaded (stats + per request).
+
+        A chunk the pool never held or evicted, that a tier could not be asked for (``unavailable``), misses as
+        ``tier_unavailable``."""
         groups = [
             GroupKeys(g.group_id, g.tokens_per_chunk, g.window_chunks, req.keys[g.index]) for g in self._book.groups
         ]
@@ -71,6 +123,13 @@ class Lookups:
         )
         if pending_only:
             misses = [m for m in misses if m.reason is MissReason.STORE_PENDING]
+        elif unavailable:
+            misses = [
+                replace(m, reason=MissReason.TIER_UNAVAILABLE)
+                if m.reason in _TIER_COULD_HOLD and m.key in unavailable
+                else m
+                for m in misses
+            ]
         req.misses = tuple(misses)
         stats = self._stats
         for miss in misses:
@@ -85,8 +144,9 @@ class Lookups:
         self._stats.count(self._stats.chunks_removed, reason)
         return dropped
 
-    def _lookup_groups(self, req: RequestState, num_computed: int, max_hit: int) -> int | None:
-        """Tokens beyond ``num_computed`` that every group can load, or None to defer (vLLM's ``_lookup``).
+    def _lookup_groups(self, req: RequestState, num_computed: int, max_hit: int) -> tuple[int | None, bool]:
+        """Tokens beyond ``num_computed`` that every group can load, or None to defer (vLLM's ``_lookup``), and
+        whether pending chunks were cut off to be recomputed (``max_recompute_pending_tokens``).
 
         Groups are visited full attention first, then sliding windows by decreasing window; each tightens
         ``max_hit`` to its chunk granularity. A group that defers does not stop the others (a later group
@@ -97,6 +157,7 @@ class Lookups:
         lookup = self._manager.lookup
         hit = 0
         defer = False
+        cuts: dict[int, bool] = {}  # group index -> its last scan cut pending chunks off
         to_visit = self._book.lookup_order
         while to_visit:
             looked_up_window = False
@@ -106,22 +167,23 @@ class Lookups:
                 keys = req.keys[g.index]
                 max_hit = min(max_hit, len(keys) * tpc)
                 if max_hit - num_computed < tpc:
-                    return 0
+                    return 0, any(cuts.values())
                 start = num_computed // tpc
                 scanned = keys[start : max_hit // tpc]
+                chunks: int | None
                 if g.window_chunks is None:
-                    chunks = maximal_prefix_lookup(lookup, scanned)
+                    chunks, cuts[g.index] = self._prefix_chunks(lookup, scanned, tpc)
                 else:
                     chunks = sliding_window_lookup(lookup, scanned, max(1, g.window_chunks))
                 if chunks == 0:
-                    return 0
+                    return 0, any(cuts.values())
                 if chunks is None:
                     defer = True
                 else:
                     max_hit = min(max_hit, (start + chunks) * tpc)
                 new_hit = max_hit - num_computed
                 if new_hit < tpc:
-                    return 0
+                    return 0, any(cuts.values())
                 if new_hit < hit:
                     if defer:
                         defer = False
@@ -130,7 +192,23 @@ class Lookups:
                         to_visit = self._book.window_groups
                 looked_up_window = looked_up_window or g.window_chunks is not None
                 hit = new_hit
-        return None if defer else hit
+        return (None, False) if defer else (hit, any(cuts.values()))
+
+    def _prefix_chunks(
+        self, lookup: Callable[[OffloadKey], LookupResult], keys: Sequence[OffloadKey], tokens_per_chunk: int
+    ) -> tuple[int | None, bool]:
+        """A full-attention group's hit in chunks (None: defer), and whether pending chunks were cut off.
+
+        vLLM 0.33 waits while any chunk of the hit is still being stored; with ``max_recompute_pending_tokens``
+        a short enough pending run (first pending chunk to the end of the hit) is cut off and recomputed."""
+        chunks, first_pending, retry = prefix_run(lookup, keys)
+        if retry:
+            return None, False
+        if first_pending is None:
+            return chunks, False
+        if (chunks - first_pending) * tokens_per_chunk <= self._recompute_pending:
+            return first_pending, True
+        return None, False
 
     def _hit_keys(self, req: RequestState, start: int, end: int) -> list[OffloadKey]:
         return [

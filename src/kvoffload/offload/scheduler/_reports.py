@@ -98,6 +98,7 @@ class Reports:
                 failed_stores.append(job.req_id)
             elif not job.stale:
                 self._stats.tokens_stored += job.num_tokens
+                self._stats.chunks_stored += len(job.keys)
                 self._on_store_completed(job.keys)
         else:
             self._book.release_load(job)
@@ -107,6 +108,7 @@ class Reports:
                 failed_loads.append(job.req_id)
             else:
                 self._stats.tokens_loaded += job.num_tokens
+                self._stats.chunks_loaded += len(job.keys)
                 if req is not None and not req.finished:
                     finished.append(job.req_id)
         if req is not None:

@@ -29,9 +29,11 @@ class SchedulerStats:
     """
 
     lookups: int = 0
+    """Lookups answered for good (a request counts once per final answer, as vLLM counts it for its hit rate)."""
     lookup_hits: int = 0
     lookup_misses: int = 0
     lookups_deferred: int = 0
+    """Lookups answered "ask again later" (None): re-asks, not counted in ``lookups``."""
     tokens_loaded: int = 0
     tokens_stored: int = 0
     allocation_failures: int = 0
@@ -58,6 +60,17 @@ class SchedulerStats:
     """Chunks dropped as corrupt by load reports (integrity) or through :meth:`OffloadScheduler.forget_chunk`."""
     failed_loads: int = 0
     failed_stores: int = 0
+    chunks_loaded: int = 0
+    """Chunks (one key per group) of completed load jobs."""
+    chunks_stored: int = 0
+    """Chunks (one key per group) of completed store jobs."""
+    pending_recomputes: int = 0
+    """Lookups that recomputed chunks whose store was still in flight instead of waiting for it
+    (``max_recompute_pending_tokens``)."""
+    shared_loads: int = 0
+    """Load jobs that read host chunks another request's load was reading too (shared, not waited for)."""
+    sync_loads: int = 0
+    """Load jobs done inside the engine step under ``sync_load_budget_bytes`` (the others load between steps)."""
 
     def count(self, reasons: dict[MissReason, int], reason: MissReason, n: int = 1) -> None:
         """Add ``n`` to ``reasons[reason]`` (one of the three by-reason tables of this instance)."""

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.manager import LookupResult
 
-__all__ = ["maximal_prefix_lookup", "sliding_window_lookup"]
+__all__ = ["maximal_prefix_lookup", "prefix_run", "sliding_window_lookup"]
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
@@ -28,20 +28,32 @@ def maximal_prefix_lookup(lookup: Lookup, keys: Sequence[OffloadKey]) -> int | N
 
     The scan stops at the first MISS only: it goes on past HIT_PENDING (counted) and RETRY (not counted).
     """
+    count, first_pending, retry = prefix_run(lookup, keys)
+    return None if retry or first_pending is not None else count
+
+
+def prefix_run(lookup: Lookup, keys: Sequence[OffloadKey]) -> tuple[int, int | None, bool]:
+    """The scan of :func:`maximal_prefix_lookup`, unresolved: ``(chunks, first_pending, retry)``.
+
+    ``chunks`` counts the present chunks (HIT or HIT_PENDING) before the first MISS; ``first_pending`` is the
+    index of the first HIT_PENDING among them (None: none); ``retry`` is True when some answer was neither.
+    """
     count = 0
-    defer = False
+    first_pending: int | None = None
+    retry = False
     for key in keys:
         result = lookup(key)
         if result is _HIT:
             count += 1
         elif result is _HIT_PENDING:
+            if first_pending is None:
+                first_pending = count
             count += 1
-            defer = True
         elif result is _MISS:
             break
         else:
-            defer = True
-    return None if defer else count
+            retry = True
+    return count, first_pending, retry
 
 
 def sliding_window_lookup(

@@ -14,10 +14,17 @@
 Semantics follow vLLM 0.33's offloading connector scheduler: chunk keys are the hash of
 the last hash-block of each chunk; a lookup finds the longest run of ready chunks (full attention) or the
 rightmost ready window (sliding window) and defers (returns ``None``) while a needed chunk is still being
-written or loaded; only prompt tokens are stored by default (``offload_prompt_only``); a job completes when
+written; only prompt tokens are stored by default (``offload_prompt_only``); a job completes when
 every one of ``world_size`` workers has reported it; a failed job never marks data ready and releases its
 pins. One deliberate difference: chunks found by ``lookup`` are pinned right away (vLLM pins when blocks are
 allocated), so a store planned between lookup and allocation can never evict them.
+
+Shared loads (unlike vLLM 0.33, which defers a lookup while another request loads any of its chunks, the
+convoy of vLLM issue 44294): chunks another request is loading are hits like any other; the request loads
+them into its own blocks at once, from the same pinned host copies. Two options of vLLM's bound the waits:
+``max_recompute_pending_tokens`` recomputes a short run of chunks still being stored instead of waiting for
+it (vLLM PR 57959), and ``sync_load_budget_bytes`` loads hits inside the step while a per-step byte budget
+lasts (:meth:`OffloadScheduler.is_sync_load`), as vLLM 0.33 does.
 
 Integrity: every job carries the key tag of each chunk (``TransferJob.chunk_tags``); a load that a worker
 reports with ``corrupt_chunk_ids`` fails (the request recomputes) and those chunks are dropped from the
@@ -49,6 +56,7 @@ from kvoffload.offload.scheduler._misses import ChunkMiss
 from kvoffload.offload.scheduler._reports import Reports
 from kvoffload.offload.scheduler._results import ReportOutcome, SchedulerStats
 from kvoffload.offload.scheduler._state import GroupGeometry, RequestState, SchedulerBook
+from kvoffload.offload.scheduler._tier_filter import TierFilter
 from kvoffload.offload.scheduler._transfers import Transfers
 
 __all__ = ["OffloadScheduler"]
@@ -61,7 +69,12 @@ class OffloadScheduler:
     extra config): decode-phase KV is not offloaded unless it is turned off. ``null_block_id`` names the engine's
     placeholder block (vLLM uses 0 for blocks a sliding window dropped): chunks holding it are never stored.
     ``extension`` plugs in what lies below the host pool (:class:`~kvoffload.tiers.Tiering`); see
-    :class:`SchedulerExtension` for when its hooks run.
+    :class:`SchedulerExtension` for when its hooks run. ``max_recompute_pending_tokens`` (0: always wait, vLLM
+    0.33): a full-attention hit whose chunks from the first one still being stored to its end hold at most this
+    many tokens (whole chunks) stops before them, and the engine recomputes them (``pending_recomputes``
+    counts such lookups). ``sync_load_budget_bytes`` (0: off): per step, hits whose bytes (hit tokens x the KV
+    bytes of one token on one worker) fit in what is left of the budget are loaded inside the step
+    (:meth:`is_sync_load`, ``TransferJob.sync``), the others between steps.
     """
 
     def __init__(
@@ -72,12 +85,20 @@ class OffloadScheduler:
         offload_prompt_only: bool = True,
         null_block_id: int | None = None,
         extension: SchedulerExtension | None = None,
+        max_recompute_pending_tokens: int = 0,
+        sync_load_budget_bytes: int = 0,
     ) -> None:
         self.config = config
         self.manager = manager
         self.extension = extension
         book = self._book = SchedulerBook(config, manager)
-        self._lookups = Lookups(book)
+        self.max_recompute_pending_tokens = check_int("max_recompute_pending_tokens", max_recompute_pending_tokens)
+        self.sync_load_budget_bytes = check_int("sync_load_budget_bytes", sync_load_budget_bytes)
+        self._lookups = Lookups(
+            book,
+            max_recompute_pending_tokens=self.max_recompute_pending_tokens,
+            sync_load_budget_bytes=self.sync_load_budget_bytes,
+        )
         self._transfers = Transfers(book, offload_prompt_only=offload_prompt_only, null_block_id=null_block_id)
         self._reports = Reports(book, self._transfers, self._store_completed)
         self._flush_tiers = False
@@ -109,12 +130,17 @@ class OffloadScheduler:
         prompt_len: int | None = None,
         max_load_tokens: int | None = None,
         max_offload_tokens: int | None = None,
+        load_tiers: TierFilter | None = None,
     ) -> None:
         """Register a request: its block hashes (at ``tokens_per_hash`` granularity) and its token count.
 
         ``prompt_len`` defaults to ``num_tokens``; ``max_load_tokens`` / ``max_offload_tokens`` cap what is
-        loaded from / stored to the host for this request (vLLM's per-request ``kv_transfer_params``).
+        loaded from / stored to the host for this request (vLLM's per-request ``kv_transfer_params``);
+        ``load_tiers`` names the tiers below the host pool its loads may come from (``kv_load_tiers``, see
+        :func:`~kvoffload.offload.scheduler.parse_load_tiers`; None: every tier). Host hits load either way.
         """
+        if load_tiers is not None and not isinstance(load_tiers, TierFilter):
+            raise ConfigError(f"load_tiers must be a TierFilter or None, got {load_tiers!r}")
         if req_id in self._book.requests:
             raise InvalidStateError(f"request {req_id!r} is already registered")
         num_tokens = check_int("num_tokens", num_tokens)
@@ -132,6 +158,8 @@ class OffloadScheduler:
         )
         self._book.requests[req_id] = req
         self._book.update_keys(req)
+        if load_tiers is not None and self.extension is not None:
+            self.extension.on_new_request(req_id, load_tiers)
 
     def extend_request(self, req_id: str, new_block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         """Append block hashes and raise the token count as a request decodes."""
@@ -214,23 +242,34 @@ class OffloadScheduler:
 
         The hit is chunk-aligned, leaves at least the last token to compute, and its chunks are pinned
         until ``on_blocks_allocated`` turns them into a load job (or the next lookup/abort releases them).
-        ``None`` means a needed chunk is still being written or loaded, the request has a job in flight, or
-        the extension is still bringing chunks into the host pool.
+        Chunks other requests are loading count as hits (shared loads: no request waits for another's load).
+        ``None`` means a needed chunk is still being written (beyond ``max_recompute_pending_tokens``), the
+        request has a job in flight, or the extension is still bringing chunks into the host pool.
+        ``stats().lookups`` counts a request's final answers (an int), ``lookups_deferred`` its ``None`` answers
+        (re-asks).
         """
         ext = self.extension
-        if ext is not None:
-            req = self._book.request(req_id)
-            if ext.defer_lookup(req_id, req.keys, num_computed_tokens):
-                self._book.stats.lookups += 1
-                self._book.stats.lookups_deferred += 1
-                return None
-        return self._lookups.lookup(req_id, num_computed_tokens)
+        if ext is None:
+            return self._lookups.lookup(req_id, num_computed_tokens)
+        req = self._book.request(req_id)
+        if ext.defer_lookup(req_id, req.keys, num_computed_tokens):
+            self._book.stats.lookups_deferred += 1
+            return None
+        return self._lookups.lookup(req_id, num_computed_tokens, ext.unavailable_keys(req_id))
+
+    def is_sync_load(self, req_id: str) -> bool:
+        """Whether the hit of the request's last lookup loads inside the step (``sync_load_budget_bytes``).
+
+        An engine computes such a request in the same step, after waiting for its load (vLLM: the lookup answers
+        ``load_kv_async=False``); its load job has ``sync`` set. False for a request without a pending hit.
+        """
+        return self._book.request(req_id).sync_load
 
     def lookup_misses(self, req_id: str) -> tuple[ChunkMiss, ...]:
         """The chunks the request's last lookup wanted but did not load, each with its :class:`MissReason`.
 
         Empty before the first lookup, after a full hit, and for a lookup deferred for another reason than a
-        pending store (the request has a job in flight, or another request is loading the chunks).
+        pending store (the request has a job in flight, or the extension is still finding its chunks).
         """
         return self._book.request(req_id).misses
 
@@ -263,6 +302,7 @@ class OffloadScheduler:
         # The extension plans first: chunks it pins are then safe from this step's store evictions.
         tier_jobs = self.extension.plan_tier_jobs() if self.extension is not None else ()
         plan = self._transfers.build_step_plan(tier_jobs)
+        self._lookups.new_step()
         if self._flush_tiers:
             self._flush_tiers = False
             plan = msgspec.structs.replace(plan, flush_tiers=True)
@@ -312,10 +352,14 @@ class OffloadScheduler:
         """KV cache events since the last call, as schema types (vLLM's placeholder payloads).
 
         A stored chunk is announced by its last hash-block; failed stores that were never announced
-        (metadata-only removals) publish nothing. Removals are grouped per group id.
+        (metadata-only removals) publish nothing. Removals are grouped per group id. The extension's events
+        (tier records, medium ``STORAGE``) follow the host pool's.
         """
         events: list[KVEvent] = []
-        for event in self.manager.take_events():
+        pool_events = self.manager.take_events()
+        if self.extension is not None:
+            pool_events.extend(self.extension.take_events())
+        for event in pool_events:
             if event.metadata_only:
                 continue
             medium = event.medium

@@ -74,6 +74,7 @@ class RequestState:
     # keys the request loaded, stored or found stored when offering -> (end-token position, group id)
     accessed: dict[OffloadKey, tuple[int, int]] = field(default_factory=dict)
     misses: tuple[ChunkMiss, ...] = ()
+    sync_load: bool = False  # the last lookup's hit loads inside the step (sync_load_budget_bytes)
 
 
 def group_geometry(config: OffloadingConfig) -> tuple[GroupGeometry, ...]:
@@ -115,7 +116,7 @@ class SchedulerBook:
         self.window_groups = tuple(g for g in self.lookup_order if g.window_chunks is not None)
         self.requests: dict[str, RequestState] = {}
         self.jobs: dict[int, JobState] = {}
-        self.loading: dict[OffloadKey, int] = {}  # key -> loads in flight that read it
+        self.loading: dict[OffloadKey, int] = {}  # key -> loads in flight that read it (shared, never waited on)
         self.stats = SchedulerStats()
         self._next_job_id = 0
 
@@ -126,10 +127,15 @@ class SchedulerBook:
         return req
 
     def update_keys(self, req: RequestState) -> None:
-        """Extend the request's per-group chunk keys to cover its block hashes."""
+        """Extend the request's per-group chunk keys to cover its block hashes, recording each new key's end-token
+        position ``(i + 1) x tokens_per_chunk`` in the request's manager context (vLLM's ``update_offload_keys``)."""
+        ctx = self.manager.request_context(req.req_id)
         for g in self.groups:
             keys = req.keys[g.index]
-            keys.extend(chunk_keys(req.block_hashes, g.group_id, g.hashes_per_chunk, start_chunk=len(keys)))
+            start = len(keys)
+            keys.extend(chunk_keys(req.block_hashes, g.group_id, g.hashes_per_chunk, start_chunk=start))
+            tpc = g.tokens_per_chunk
+            ctx.set_offload_key_positions((key, (i + 1) * tpc) for i, key in enumerate(keys[start:], start))
 
     def load_range(self, g: GroupGeometry, start_tokens: int, end_tokens: int) -> tuple[int, int]:
         """Engine blocks [first, last) of group ``g`` a load of tokens [start, end) must fill."""

@@ -73,6 +73,7 @@ class Transfers:
             self._queue_load(req, num_external_tokens)
         else:
             self._book.release_pins(req)
+            req.sync_load = False
 
     def _queue_load(self, req: RequestState, num_external_tokens: int) -> None:
         start = req.hit_start
@@ -86,6 +87,7 @@ class Transfers:
         block_indices: list[int] = []
         blocks: list[int] = []
         keys: list[OffloadKey] = []
+        own = req.accessed.keys() - req.reused_keys  # chunks this request stored itself
         for g in self._book.groups:
             if end % g.tokens_per_chunk and end != req.hit_end:
                 raise InvalidStateError(
@@ -114,9 +116,20 @@ class Transfers:
         chunk_ids = [self._manager.chunk_id(k) for k in keys]
         job = self._book.new_job(req, Direction.LOAD, keys=keys, num_tokens=num_external_tokens, blocks=())
         job.chunk_keys = {c: k for c, k in zip(chunk_ids, keys, strict=True) if c is not None}
+        # Shared loads: chunks that other requests' loads are reading are read again by this job, into this
+        # request's own blocks, right away (in plan order, after those loads on the workers' load lane). The
+        # host copies are ready and pinned by every load that reads them, so each load gets the same bytes and
+        # none waits for another (the engine cannot hand one request's blocks to another before they land).
+        loading = self._book.loading
+        if any(key in loading for key in keys):
+            self._stats.shared_loads += 1
         for key in keys:
-            self._book.loading[key] = self._book.loading.get(key, 0) + 1
-        req.reused_keys.update(keys)
+            loading[key] = loading.get(key, 0) + 1
+        sync = req.sync_load
+        req.sync_load = False
+        if sync:
+            self._stats.sync_loads += 1
+        req.reused_keys.update(k for k in keys if k not in own)  # vLLM: re-reading its own chunk is no reuse
         self._pending_loads.append(
             TransferJob(
                 job_id=job.job_id,
@@ -125,6 +138,7 @@ class Transfers:
                 block_indices=pack_int32(block_indices),
                 block_ids=pack_int64(blocks),
                 chunk_ids=pack_int64([c if c is not None else -1 for c in chunk_ids]),
+                sync=sync,
                 chunk_tags=pack_int64(key_tags(keys)),
             )
         )

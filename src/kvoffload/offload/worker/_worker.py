@@ -66,6 +66,12 @@ class OffloadWorker:
         """Block until this step's loads are done (an engine that needs them before computing calls this)."""
         self.engine.wait((j.job_id for j in plan.load_jobs), timeout)
 
+    def wait_for_promotions(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout``, default the tiers' ``promotion_wait_s``) for the promotions this step started,
+        so the step's report brings them and the next step loads them (CPU engines: left to the tier threads
+        alone, they fight the engine loop for the GIL)."""
+        return True if self.tiers is None else self.tiers.wait_for_promotions(timeout)
+
     def end_step(self, plan: StepPlan) -> None:
         """After the forward pass: queue this step's stores; they start at the beginning of the next step."""
         self._deferred_stores.extend(plan.store_jobs)

@@ -11,7 +11,8 @@ from collections.abc import Set as AbstractSet
 from typing import ClassVar
 
 from kvoffload.offload.keys import OffloadKey
-from kvoffload.offload.manager.policies._base import CachePolicy, check_evict_count
+from kvoffload.offload.manager.policies._base import CachePolicy, check_evict_count, request_finished_args
+from kvoffload.offload.manager.policies._context import RequestContext, order_request_keys
 
 __all__ = ["ARCPolicy"]
 
@@ -53,7 +54,7 @@ class ARCPolicy(CachePolicy):
         chunk_id = self.t1.get(key)
         return self.t2.get(key) if chunk_id is None else chunk_id
 
-    def insert(self, key: OffloadKey, chunk_id: int) -> None:
+    def insert(self, key: OffloadKey, chunk_id: int, ctx: RequestContext | None = None) -> None:
         """Add ``key`` (pending) at the T1 tail and forget it from the ghost lists."""
         self.t2.pop(key, None)
         t1 = self.t1
@@ -64,11 +65,13 @@ class ARCPolicy(CachePolicy):
         self._pending.add(key)
         self._blocked.add(key)
 
-    def insert_many(self, keys: Sequence[OffloadKey], chunk_ids: Sequence[int]) -> None:
+    def insert_many(
+        self, keys: Sequence[OffloadKey], chunk_ids: Sequence[int], ctx: RequestContext | None = None
+    ) -> None:
         """Insert new keys at the T1 tail in order, batched when none of them is resident yet."""
         t1 = self.t1
         if len(keys) != len(chunk_ids) or not t1.keys().isdisjoint(keys) or not self.t2.keys().isdisjoint(keys):
-            super().insert_many(keys, chunk_ids)
+            super().insert_many(keys, chunk_ids, ctx)
             return
         t1.update(zip(keys, chunk_ids, strict=True))
         for ghosts in (self.b1, self.b2):
@@ -99,7 +102,7 @@ class ARCPolicy(CachePolicy):
             self.target_t1_size = max(self.target_t1_size - delta, 0.0)
             b2.move_to_end(key)
 
-    def on_store_miss(self, keys: Sequence[OffloadKey]) -> None:
+    def on_store_miss(self, keys: Sequence[OffloadKey], ctx: RequestContext | None = None) -> None:
         """Learn from offered keys that are ghosts, before insertion forgets them (reverse order)."""
         if not self.b1 and not self.b2:
             return
@@ -107,7 +110,7 @@ class ARCPolicy(CachePolicy):
         for key in reversed(keys):
             adapt(key)
 
-    def touch(self, keys: Sequence[OffloadKey]) -> None:
+    def touch(self, keys: Sequence[OffloadKey], ctx: RequestContext | None = None) -> None:
         """Apply accesses in reverse: ready T1 keys move to the T2 tail, pending ones to the T1 tail, T2
         keys to the T2 tail, and absent keys adapt the target if they are ghosts."""
         t1 = self.t1
@@ -125,22 +128,31 @@ class ARCPolicy(CachePolicy):
             else:
                 self._adapt_to_ghost_hit(key)
 
-    def on_request_finished(self, keys: Sequence[OffloadKey], reused: AbstractSet[OffloadKey]) -> None:
-        """Apply a finished request in reverse order: reused keys count as one access (T1 -> T2 or T2
-        tail); the request's own stores only refresh recency within their list."""
+    def on_request_finished(
+        self,
+        key_groups: Sequence[Sequence[OffloadKey]] | Sequence[OffloadKey],
+        insertion_only: AbstractSet[OffloadKey],
+        reused: AbstractSet[OffloadKey] | None = None,
+        ctx: RequestContext | None = None,
+    ) -> None:
+        """Apply a finished request tail to head (:func:`order_request_keys` reversed): an insertion-only key
+        only moves to the tail of its list (a store is not a frequency hit); a reused key counts as one access
+        (T1 -> T2 tail, or T2 tail); other keys are left alone. Pins are not consulted (vLLM 0.33)."""
+        groups, insertion_only, reused = request_finished_args(key_groups, insertion_only, reused)
         t1 = self.t1
         t2 = self.t2
-        for key in reversed(keys):
-            if key in reused:
+        for key in reversed(order_request_keys(groups, ctx)):
+            if key in insertion_only:
+                if key in t1:
+                    t1.move_to_end(key)
+                elif key in t2:
+                    t2.move_to_end(key)
+            elif key in reused:
                 chunk_id = t1.pop(key, None)
                 if chunk_id is not None:
                     t2[key] = chunk_id
                 elif key in t2:
                     t2.move_to_end(key)
-            elif key in t1:
-                t1.move_to_end(key)
-            elif key in t2:
-                t2.move_to_end(key)
 
     def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
         """Pick ``n`` victims with vLLM's single forward scan over T1 and T2, then move them to B1/B2.

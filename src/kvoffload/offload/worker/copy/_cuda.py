@@ -154,7 +154,7 @@ class _Hasher:
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvoffload-hash") if threads > 1 else None
 
     def digests(self, slots: BlockSlots) -> list[int]:
-        offsets, lengths = slots.host_offsets, slots.lengths
+        offsets, lengths = slots.ranges()
         parts = min(self._threads, len(lengths), sum(lengths) // _PARALLEL_HASH_BYTES)
         if self._pool is None or parts <= 1:
             return _hash_range(self._host, offsets, lengths, 0, len(lengths))

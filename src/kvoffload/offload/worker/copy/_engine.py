@@ -12,10 +12,16 @@ from kvoffload.errors import ConfigError, InvalidStateError, TransferError
 from kvoffload.offload.pool import BlockSlots, HostPool
 from kvoffload.offload.worker.copy._backend import CopyBackend, Direction, Integrity
 from kvoffload.offload.worker.copy._cpu import CpuBackend
+from kvoffload.offload.worker.copy._cpu_native import NativeCpuBackend, RefusedJob
 from kvoffload.offload.worker.copy._cuda import CudaBackend
 from kvoffload.offload.worker.copy._job import CopyJob
 from kvoffload.offload.worker.copy._native import KERNEL, NativeKernel
-from kvoffload.offload.worker.copy._runs import CopyRuns, IdsLike, build_block_slots, build_copy_runs
+from kvoffload.offload.worker.copy._runs import (
+    CopyRuns,
+    IdsLike,
+    build_block_slots,
+    build_copy_runs,
+)
 
 __all__ = ["CopyEngine"]
 
@@ -89,11 +95,32 @@ class CopyEngine:
         integrity = Integrity(self._table, host_bytes, checksums)
         self._backend: CopyBackend
         self._kernel: NativeKernel | None = None
+        self._native_backend: NativeCpuBackend | None = None
         if kv_flat.is_cuda:
             self._backend = CudaBackend(kv_flat, host_flat, integrity)
         elif kv_flat.device.type == "cpu":
             self._kernel = KERNEL if native else None
-            self._backend = CpuBackend(kv_flat, host_flat, threads, integrity, layout, self._kernel)
+            if self._kernel is not None and _fits_every_id(layout, host_pool, self._kv_bytes, self._host_bytes):
+                table = self._table
+                wkb = plan.worker_kv_bytes_per_block
+                geometry = (
+                    table.slots,
+                    table.slot,
+                    self._bpc,
+                    self._num_chunks,
+                    self._row_bytes,
+                    self._slot_offset,
+                    wkb,
+                )
+                try:  # jobs go to the kernel's own engine as ids (no check of runs per job)
+                    self._native_backend = NativeCpuBackend(
+                        self._kernel, kv_flat, host_flat, threads, integrity, layout, geometry
+                    )
+                except OSError:
+                    self._native_backend = None  # no threads to be had: the Python-driven backend
+            self._backend = self._native_backend or CpuBackend(
+                kv_flat, host_flat, threads, integrity, layout, self._kernel
+            )
         else:
             raise ConfigError(f"kv_memory on device {kv_flat.device} is not supported (cpu or cuda)")
 
@@ -160,6 +187,14 @@ class CopyEngine:
             raise InvalidStateError(f"job {job_id}: the copy engine is closed")
         if job_id in self._unpolled:
             raise InvalidStateError(f"job_id={job_id} is still in flight (or its result was not polled)")
+        native = self._native_backend
+        if native is not None and native is self._backend:
+            try:  # checked, laid out (and a store's entries invalidated) in one call of the kernel's engine
+                native.submit_job(job, self._writes)
+            except RefusedJob as refused:
+                self._refused(job, refused)
+            self._unpolled.add(job_id)
+            return
         runs = self.plan_runs(
             group_sizes=job.group_sizes,
             block_indices=job.block_indices,
@@ -195,6 +230,27 @@ class CopyEngine:
                 self._table.invalidate(slots)  # unusable until this store's copy has completed
         self._unpolled.add(job_id)
         self._backend.submit(job_id, direction, runs, slots)
+
+    def _refused(self, job: CopyJob, refused: RefusedJob) -> None:
+        """Raise the Python planner's error for a job the native engine refused (the same checks, in words)."""
+        self.plan_runs(
+            group_sizes=job.group_sizes,
+            block_indices=job.block_indices,
+            block_ids=job.block_ids,
+            chunk_ids=job.chunk_ids,
+        )
+        build_block_slots(
+            self._layout,
+            self._table,
+            group_sizes=job.group_sizes,
+            block_indices=job.block_indices,
+            chunk_ids=job.chunk_ids,
+            chunk_tags=job.chunk_tags,
+            blocks_per_chunk=self._bpc,
+            host_row_bytes=self._row_bytes,
+            host_slot_offset=self._slot_offset,
+        )
+        raise ConfigError(f"job {job.job_id}: {refused}") from refused
 
     @property
     def native(self) -> bool:
@@ -233,3 +289,27 @@ class CopyEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _fits_every_id(layout: TransferLayout, pool: HostPool, kv_bytes: int, host_bytes: int) -> bool:
+    """Whether every page of every block id and chunk id lands inside the engine memory and the host rows
+    (then no job needs its runs checked)."""
+    plan = pool.plan
+    last_block, last_chunk = layout.num_blocks - 1, pool.num_chunks - 1
+    if last_block < 0 or last_chunk < 0:
+        return True
+    last_host = (
+        last_chunk * pool.row_bytes + pool.slot_offset + (plan.blocks_per_chunk - 1) * plan.worker_kv_bytes_per_block
+    )
+    for group in layout.groups:
+        for seg in group.segment_table.tolist():
+            engine_offset, stride, length, host_offset = seg
+            low, high = (
+                engine_offset + min(0, stride * last_block),
+                engine_offset + length + max(0, stride * last_block),
+            )
+            if low < 0 or high > kv_bytes or host_offset < 0 or pool.slot_offset < 0:
+                return False
+            if last_host + host_offset + length > host_bytes:
+                return False
+    return True

@@ -64,7 +64,15 @@ _INT_KINDS = frozenset("iu")
 
 def _as_ids(ids: IdsLike, field: str) -> np.ndarray:
     """``ids`` as a 1-D int64 numpy array (a CPU int64 tensor's memory is shared, not copied)."""
-    if not isinstance(ids, torch.Tensor):
+    if isinstance(ids, torch.Tensor):
+        try:
+            shared = ids.numpy()  # a CPU tensor's memory (raises for other devices or a tensor that needs grad)
+        except (TypeError, RuntimeError):
+            shared = None
+        if shared is not None and shared.ndim == 1 and shared.dtype == np.int64:
+            return shared
+        # anything else goes through torch's checks and conversion below
+    else:
         try:
             array = np.asarray(ids)
         except (TypeError, ValueError, OverflowError):
@@ -85,12 +93,50 @@ def _as_ids(ids: IdsLike, field: str) -> np.ndarray:
 
 
 def _check_range(ids: np.ndarray, field: str, limit: int, limit_name: str) -> None:
-    if ids.size == 0:
+    if ids.size == 0 or int(ids.view(np.uint64).max()) < limit:  # one pass: a negative id wraps past any limit
         return
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= limit:
         bad = low if low < 0 else high
         raise ConfigError(f"{field} contains {bad}, outside [0, {limit_name}={limit})")
+
+
+def _checked_ids(
+    layout: TransferLayout,
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
+    block_ids: IdsLike,
+    chunk_ids: IdsLike,
+    bpc: int,
+    num_chunks: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """A job's block and chunk ids as int64 arrays, once the counts and the id ranges are checked."""
+    check_int("blocks_per_chunk", bpc, 1, value_first=True)
+    num_groups = len(layout.groups)
+    if len(group_sizes) != num_groups or len(block_indices) != num_groups:
+        raise ConfigError(
+            f"group_sizes has {len(group_sizes)} and block_indices has {len(block_indices)} entries; "
+            f"the layout has {num_groups} groups"
+        )
+    needed_chunks = 0
+    for g, (n, b) in enumerate(zip(group_sizes, block_indices, strict=True)):
+        if n < 0 or b < 0:
+            raise ConfigError(f"group {g}: group_sizes={n} and block_indices={b} must be >= 0")
+        if n:
+            needed_chunks += cdiv(n + b % bpc, bpc)
+    blocks = _as_ids(block_ids, "block_ids")
+    chunks = _as_ids(chunk_ids, "chunk_ids")
+    needed_blocks = sum(group_sizes)
+    if blocks.size != needed_blocks or chunks.size != needed_chunks:
+        raise ConfigError(
+            f"group_sizes={list(group_sizes)} with block_indices={list(block_indices)} and "
+            f"blocks_per_chunk={bpc} consume {needed_blocks} block_ids and {needed_chunks} chunk_ids, "
+            f"but the job has {blocks.size} block_ids and {chunks.size} chunk_ids"
+        )
+    _check_range(blocks, "block_ids", layout.num_blocks, "num_blocks")
+    _check_range(chunks, "chunk_ids", num_chunks, "num_chunks")
+
+    return blocks, chunks
 
 
 def build_copy_runs(
@@ -116,30 +162,7 @@ def build_copy_runs(
     consumed exactly or an id is out of range.
     """
     bpc = blocks_per_chunk
-    check_int("blocks_per_chunk", bpc, 1, value_first=True)
-    num_groups = len(layout.groups)
-    if len(group_sizes) != num_groups or len(block_indices) != num_groups:
-        raise ConfigError(
-            f"group_sizes has {len(group_sizes)} and block_indices has {len(block_indices)} entries; "
-            f"the layout has {num_groups} groups"
-        )
-    needed_chunks = 0
-    for g, (n, b) in enumerate(zip(group_sizes, block_indices, strict=True)):
-        if n < 0 or b < 0:
-            raise ConfigError(f"group {g}: group_sizes={n} and block_indices={b} must be >= 0")
-        if n:
-            needed_chunks += cdiv(n + b % bpc, bpc)
-    blocks = _as_ids(block_ids, "block_ids")
-    chunks = _as_ids(chunk_ids, "chunk_ids")
-    needed_blocks = sum(group_sizes)
-    if blocks.size != needed_blocks or chunks.size != needed_chunks:
-        raise ConfigError(
-            f"group_sizes={list(group_sizes)} with block_indices={list(block_indices)} and "
-            f"blocks_per_chunk={bpc} consume {needed_blocks} block_ids and {needed_chunks} chunk_ids, "
-            f"but the job has {blocks.size} block_ids and {chunks.size} chunk_ids"
-        )
-    _check_range(blocks, "block_ids", layout.num_blocks, "num_blocks")
-    _check_range(chunks, "chunk_ids", num_chunks, "num_chunks")
+    blocks, chunks = _checked_ids(layout, group_sizes, block_indices, block_ids, chunk_ids, bpc, num_chunks)
 
     wkb = layout.worker_kv_bytes_per_block
     engine_parts: list[np.ndarray] = []
@@ -239,15 +262,15 @@ def build_block_slots(
         length_parts.append(np.full(n, layout.groups[g].bytes_per_block, dtype=np.int64))
     if not chunk_parts:
         none = np.zeros(0, dtype=np.int64)
-        return BlockSlots(none, none, [], [], none)
+        return BlockSlots(none, none, none, none, none)
     chunk_of = np.concatenate(chunk_parts)
     sub_of = np.concatenate(sub_parts)
     host = chunk_of * host_row_bytes + sub_of * wkb + host_slot_offset
     return BlockSlots(
         entries=table.entry_index(chunk_of, sub_of),
         chunk_ids=chunk_of,
-        host_offsets=host.tolist(),
-        lengths=np.concatenate(length_parts).tolist(),
+        host_offsets=host,
+        lengths=np.concatenate(length_parts),
         tags=np.concatenate(tag_parts),
     )
 

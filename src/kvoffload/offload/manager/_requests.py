@@ -1,0 +1,28 @@
+"""A finished request's keys as vLLM 0.33's ``CPUOffloadingManager`` hands them to the cache policy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvoffload.offload.keys import OffloadKey
+from kvoffload.offload.manager.policies import RequestContext
+
+__all__ = ["request_key_groups"]
+
+
+def request_key_groups(keys: Iterable[OffloadKey], ctx: RequestContext) -> tuple[tuple[OffloadKey, ...], ...]:
+    """A finished request's keys as vLLM's manager hands them to the policy: one tuple per KV-cache group
+    (ascending group id, the id in each key's last 4 bytes), each in the given order (a repeat dropped), sorted
+    by recorded position when every key of the group has one."""
+    groups: dict[int, list[OffloadKey]] = {}
+    for key in dict.fromkeys(keys):
+        groups.setdefault(int.from_bytes(key[-4:], "big"), []).append(key)
+    get = ctx.get_offload_key_position
+    out: list[tuple[OffloadKey, ...]] = []
+    for group_id in sorted(groups):
+        group = groups[group_id]
+        positions = {key: position for key in group if (position := get(key)) is not None}
+        if len(positions) == len(group):
+            group.sort(key=positions.__getitem__)
+        out.append(tuple(group))
+    return tuple(out)

