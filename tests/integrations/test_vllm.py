@@ -18,37 +18,11 @@ import pytest
 
 from kvoffload import EngineSnapshot, codecs, translate_snapshot
 from kvoffload.errors import ConfigError
+from tests.integrations.engines import ROOT, SCENARIOS, run_scenario
 
 pytestmark = pytest.mark.slow
 
-SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from testing.tiny_model import build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
-def _run(
-    scenario: str, model: Path, out: Path, *, multiprocess: bool = False, timeout: float = 600, **env_extra: str
-) -> dict[str, Any]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING", **env_extra)
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if multiprocess else "0"
-    proc = subprocess.run(
-        [sys.executable, str(SCENARIOS), scenario, str(model), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"scenario {scenario} failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
-    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
-    return result
+_run = run_scenario
 
 
 @pytest.fixture(scope="session")

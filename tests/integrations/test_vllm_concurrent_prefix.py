@@ -9,10 +9,6 @@ connector, token for token. The connector-half tests at the bottom build no engi
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,34 +16,11 @@ import pytest
 
 from kvoffload import JobResult, StepPlan, TransferJob, WorkerReport, wire
 from kvoffload._packed import pack_int32, pack_int64
-
-SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from testing.tiny_model import build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+from tests.integrations.engines import run_scenario
 
 
 def _run(mode: str, model: Path, out: Path) -> dict[str, Any]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING")
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    scenario = f"concurrent-prefix-{mode}"
-    proc = subprocess.run(
-        [sys.executable, str(SCENARIOS), scenario, str(model), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=ROOT,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"scenario {scenario} failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
-    result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
-    return result
+    return run_scenario(f"concurrent-prefix-{mode}", model, out)
 
 
 @pytest.fixture(scope="module")

@@ -46,13 +46,6 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from testing.tiny_model import build_tiny_llama
-
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
