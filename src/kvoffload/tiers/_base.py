@@ -15,6 +15,7 @@ deleted. :class:`TierBase` implements this bookkeeping once; a concrete tier wri
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -405,28 +406,7 @@ class TierBase:
         """A copy of the counters (``available`` as of now)."""
         with self._lock:
             st = self._stats
-            return TierStats(
-                stores=st.stores,
-                stores_dropped=st.stores_dropped,
-                store_failures=st.store_failures,
-                loads=st.loads,
-                load_hits=st.load_hits,
-                load_misses=st.load_misses,
-                corrupt_records=st.corrupt_records,
-                lookups=st.lookups,
-                lookup_hits=st.lookup_hits,
-                evictions=st.evictions,
-                bytes_written=st.bytes_written,
-                bytes_read=st.bytes_read,
-                write_seconds=st.write_seconds,
-                read_seconds=st.read_seconds,
-                write_busy_seconds=st.write_busy_seconds,
-                read_busy_seconds=st.read_busy_seconds,
-                unavailable_events=st.unavailable_events,
-                available=self.available,
-                last_error=st.last_error,
-                extra=dict(st.extra),
-            )
+            return dataclasses.replace(st, available=self.available, extra=dict(st.extra))
 
     def close(self) -> None:
         """Let in-flight jobs finish, then stop the thread pools."""

@@ -206,8 +206,11 @@ class FsTier(TierBase):
 
     def path_of(self, key: bytes) -> Path:
         """The record file of ``key``."""
+        return Path(self._path_str(key))
+
+    def _path_str(self, key: bytes) -> str:
         h = key.hex()
-        return self.dir / h[:2] / f"{h}.bin"
+        return f"{self._dir_str}/{h[:2]}/{h}.bin"
 
     @property
     def total_bytes(self) -> int:
@@ -298,8 +301,7 @@ class FsTier(TierBase):
         return [self._load_one(key, row) for key, row in zip(keys, rows, strict=True)]
 
     def _load_one(self, key: bytes, row: memoryview) -> int | RecordError | None:
-        h = key.hex()
-        path = f"{self._dir_str}/{h[:2]}/{h}.bin"
+        path = self._path_str(key)
         head_len = HEADER_SIZE + len(key)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECT) if self._odirect else os.open(path, os.O_RDONLY)
@@ -353,11 +355,7 @@ class FsTier(TierBase):
     def _exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
         if not os.path.isdir(self._dir_str):
             raise TierError(f"fs tier directory {self.dir} is gone")
-        found: list[bool] = []
-        for key in keys:
-            h = key.hex()
-            found.append(os.path.exists(f"{self._dir_str}/{h[:2]}/{h}.bin"))
-        return found
+        return [os.path.exists(self._path_str(key)) for key in keys]
 
     def _delete(self, key: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
