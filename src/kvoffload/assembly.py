@@ -16,13 +16,21 @@ host pool, its manager, the tiers and the copy engine are wired together in one 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 
-from kvoffload._generated import OffloadingConfig, TieringConfig, VLLMConnectorConfig
+from kvoffload._generated import (
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    OffloadingConfig,
+    TieringConfig,
+    UniformTypeKVCacheSpecs,
+    VLLMConnectorConfig,
+)
 from kvoffload.errors import ConfigError
 from kvoffload.offload.manager import HostBlockManager
 from kvoffload.offload.pool import plan_host_pool_from_config
@@ -94,6 +102,9 @@ def build_scheduler(
     enable_events: bool = False,
     null_block_id: int | None = None,
     log: logging.Logger | None = None,
+    chain_promotions: bool = False,
+    kv_cache_config: KVCacheConfig | None = None,
+    eagle_group_ids: Collection[int] | None = None,
 ) -> OffloadScheduler:
     """The scheduler of ``config``: its manager holds as many chunks as the host pool plan fits.
 
@@ -103,6 +114,17 @@ def build_scheduler(
     (e.g. with the urls of embedded servers filled in). With tiers (valkey tiers with their url), the tiers are
     composed in (``log``: where they report going down and coming back); ``close()`` the scheduler to release
     them.
+
+    ``chain_promotions``: the engine's workers wait for a step's promotions within the step (CPU engines) and
+    each rank promotes its own rows (no pool shared across ranks): a tier hit then loads in the same step as
+    its promotion instead of answering "ask again later" for one step (needs ``promotion_wait_s`` > 0).
+
+    ``kv_cache_config`` (the snapshot's, the one ``config`` was translated from) gives the scheduler the engine
+    facts the plan does not carry: which offloaded groups are EAGLE draft groups (``is_eagle_group``), which are
+    ``mamba_cache_mode="align"`` Mamba groups, and ``prefix_cache_retention_interval``. ``eagle_group_ids``
+    replaces the EAGLE groups it names (a caller that knows the speculative config: vLLM treats a group as EAGLE
+    only with ``speculative_config.use_eagle_block_drop()``, which a snapshot does not record; an engine that
+    dumps its own snapshot sets ``is_eagle_group`` only then). Without either, no group is EAGLE or Mamba-align.
     """
     if options is None:
         options = decode_extra_config(config.extra_config)
@@ -121,7 +143,8 @@ def build_scheduler(
     if tiering.secondary_tiers:
         from kvoffload.tiers import Tiering  # the tier clients load only when tiers are configured
 
-        extension = Tiering(config, manager, tiering, log=log)
+        chain = chain_promotions and tiering.promotion_wait_s > 0
+        extension = Tiering(config, manager, tiering, log=log, chain_promotions=chain)
     return OffloadScheduler(
         config,
         manager,
@@ -130,7 +153,47 @@ def build_scheduler(
         extension=extension,
         max_recompute_pending_tokens=options.max_recompute_pending_tokens,
         sync_load_budget_bytes=options.sync_load_budget_bytes,
+        eagle_group_ids=_eagle_groups(config, kv_cache_config) if eagle_group_ids is None else eagle_group_ids,
+        mamba_align_group_ids=_mamba_align_groups(config, kv_cache_config),
+        prefix_cache_retention_interval=None
+        if kv_cache_config is None
+        else kv_cache_config.prefix_cache_retention_interval,
     )
+
+
+def _engine_group_specs(config: OffloadingConfig, kv: KVCacheConfig) -> list[tuple[int, KVCacheSpec, bool]]:
+    """``(group id, spec, is_eagle_group)`` of each group ``config`` offloads, from the KV cache config."""
+    groups = kv.kv_cache_groups
+    out: list[tuple[int, KVCacheSpec, bool]] = []
+    for g in config.groups:
+        if g.group_id >= len(groups):
+            raise ConfigError(
+                f"kv_cache_config has {len(groups)} KV cache groups, but the offloading config offloads group "
+                f"{g.group_id}: pass the KVCacheConfig the config was translated from"
+            )
+        group = groups[g.group_id]
+        out.append((g.group_id, group.kv_cache_spec, group.is_eagle_group))
+    return out
+
+
+def _eagle_groups(config: OffloadingConfig, kv: KVCacheConfig | None) -> tuple[int, ...]:
+    if kv is None:
+        return ()
+    return tuple(gid for gid, _, eagle in _engine_group_specs(config, kv) if eagle)
+
+
+def _mamba_align_groups(config: OffloadingConfig, kv: KVCacheConfig | None) -> tuple[int, ...]:
+    """Offloaded groups whose (first) layer spec is an align-mode Mamba spec, as vLLM's scheduler sees them (it
+    gets the groups flattened: a wrapper stands for its first layer spec)."""
+    if kv is None:
+        return ()
+    out: list[int] = []
+    for gid, spec, _ in _engine_group_specs(config, kv):
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = next(iter(spec.kv_cache_specs.values()), spec)
+        if isinstance(spec, MambaSpec) and spec.mamba_cache_mode == "align":
+            out.append(gid)
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,9 @@ class Recorder:
     def unavailable_keys(self, req_id: str) -> Set[OffloadKey]:
         return self.unavailable
 
+    def chained_promotions(self, req_id: str) -> Set[OffloadKey]:
+        return frozenset()
+
     def on_store_completed(self, keys: Sequence[OffloadKey]) -> None:
         self.calls.append("on_store_completed")
         self.completed.extend(keys)

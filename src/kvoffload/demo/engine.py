@@ -45,7 +45,16 @@ class DemoEngine:
         self.metrics = metrics
         self.events = events
         self.config: OffloadingConfig = translate_snapshot(snapshot)
-        self.sched = build_scheduler(self.config, tiering=options.tiering, enable_events=events is not None)
+        # The demo's workers wait for each step's promotions, so a tier hit loads in the step it is promoted
+        # (not with a shared pool across ranks: its writer promotes the rows the other ranks load).
+        chain = not options.shared_pool or self.config.parallel.world_size == 1
+        self.sched = build_scheduler(
+            self.config,
+            tiering=options.tiering,
+            enable_events=events is not None,
+            chain_promotions=chain,
+            kv_cache_config=snapshot.kv_cache_config,  # EAGLE and align-mode Mamba groups, retention interval
+        )
         self.manager = self.sched.manager
         self.num_chunks = self.manager.num_chunks
         self.groups = self.config.groups

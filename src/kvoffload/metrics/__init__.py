@@ -16,7 +16,8 @@ application owns (nothing is registered at import, nothing touches prometheus_cl
 Names follow vLLM 0.33's offloading metrics (``vllm:kv_offload_load_bytes`` -> ``kvoffload_load_bytes``) where vLLM
 has one; ``tier`` labels the offload tier (``host`` for the host pool) and ``direction`` is ``load`` (towards the
 engine) or ``store``. Label children are bound once at construction: a record costs one attribute add and one
-child call.
+child call. Inside vLLM the connector exports the same figures in vLLM's registry under vLLM's own names
+(``vllm:kv_offload_load_bytes``; see ``kvoffload.integrations.vllm.KVOffloadPromMetrics``).
 
 Every recorder also keeps the figures since its previous :meth:`take_snapshot` call, returned as a plain
 :class:`MetricsSnapshot` (counters as deltas, gauges as current values, histograms as count, sum and samples) that

@@ -25,8 +25,9 @@ ALLOCATION_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 
 
 STAT_METRICS: dict[str, str] = {
-    # SchedulerStats field -> metric name (vLLM's name where vLLM has one), for engines that export the
-    # scheduler's totals under their own registry (the vLLM connector's interval stats)
+    # SchedulerStats field -> metric name (vLLM's name without its prefix where vLLM has one), for engines that
+    # export the scheduler's totals under their own registry (the vLLM connector's interval stats, which map
+    # load_bytes, load_time, store_bytes, store_time and allocation_failure to vLLM's vllm:kv_offload_* names)
     "lookups": "lookups",
     "lookups_deferred": "lookups_deferred",
     "lookup_hits": "lookup_hits",

@@ -20,6 +20,13 @@ Semantics (vLLM 0.33's):
   full the answer is a MISS and the engine recomputes) and promoted in one job per tier and request. Once
   the promotion completes, the next lookup finds a host hit and loads it as usual. A key that failed (a
   corrupt record, a tier that went down) is freed and never marked ready.
+* **Chained promotions** (``chain_promotions``, for engines whose workers finish a step's promotions within the
+  step: the CPU engines, each rank promoting its own rows). The lookup that queues a promotion answers with the
+  hit at once, pinning the chunks before their write completes; any request's lookup in the same step may load
+  chunks queued for promotion in it. The workers run the promotion before the loads that read its chunks, so
+  the tier hit loads in the step it is promoted instead of one step later. A promoted chunk that fails (a
+  corrupt record) is never sealed, so the load reading it fails its integrity check and the engine recomputes;
+  a promotion not done within ``promotion_wait_s`` fails its chained loads without copying.
 * **Per request and per tier.** A request's ``kv_load_tiers`` (``on_new_request``) limits the tiers it is promoted
   from (host hits load either way); a tier with ``enable_kv_events`` announces its records (``take_events``:
   stored when a cascade completes, removed when a bad record is deleted, medium ``STORAGE``).
@@ -35,14 +42,14 @@ from collections.abc import Sequence, Set
 
 from kvoffload._generated import OffloadingConfig, TieringConfig, TierJob, TierJobResult, WorkerReport
 from kvoffload._packed import Int32Array, pack_int64
-from kvoffload.errors import ConfigError, InvalidStateError
+from kvoffload.errors import InvalidStateError
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.manager import HostBlockManager, OffloadEvent
 from kvoffload.offload.scheduler import Locality, TierFilter
 from kvoffload.tiers._backpressure import EMABackpressureDetector, resolve_backpressure
 from kvoffload.tiers._base import SecondaryTier
 from kvoffload.tiers._config import open_tier
-from kvoffload.tiers._health import TierHealth, TierStatsRow, tier_is_healthy, tier_type, unusable_reason
+from kvoffload.tiers._health import TierHealth, TierStatsRow, tier_is_healthy, tier_type
 from kvoffload.tiers._jobs import TierJobState, count_finished
 from kvoffload.tiers._load_filters import LoadFilters, configured_locality, tier_place
 from kvoffload.tiers._lookup_gate import LookupGate, Query, QueryAnswer
@@ -72,8 +79,10 @@ class Tiering:
         tiering: TieringConfig,
         *,
         log: logging.Logger | None = None,
+        chain_promotions: bool = False,
     ) -> None:
         self.config = config
+        self.chain_promotions = chain_promotions
         self.manager = manager
         self.tiering = tiering
         self._log = logger if log is None else log
@@ -90,7 +99,7 @@ class Tiering:
         try:
             for i, tier_config in enumerate(tiering.secondary_tiers):
                 self._lookup_tiers.append([open_tier(tier_config, ns, lookups_only=True, index=i) for ns in namespaces])
-            self._check_usable(tiering)
+            self._unusable_at_start = self._health.check_at_start(tiering, self._lookup_tiers)
         except BaseException:
             self.close()
             raise
@@ -109,6 +118,7 @@ class Tiering:
         self._queried: dict[str, set[OffloadKey]] = {}
         self._unreachable: dict[str, set[OffloadKey]] = {}  # host misses a tier could not be asked for
         self._promoting: dict[str, set[int]] = {}
+        self._chained: set[OffloadKey] = set()  # keys promoted by the plan being built (chain_promotions)
         self._tier_jobs: dict[int, TierJobState] = {}
         self._next_tier_job = 0
         self._queued_tier_jobs: list[TierJob] = []
@@ -116,20 +126,6 @@ class Tiering:
         self._fence: set[int] = set()  # stale tier jobs in flight since a reset
         self._counters = {"tier_lookups_retry": 0, "promotions_refused": 0, "tier_hits": 0}
         self._poll_s = tiering.tier_poll_interval_s
-
-    def _check_usable(self, tiering: TieringConfig) -> None:
-        """Refuse to start on a tier that cannot be used now (a mistyped path, a server that is not there), in
-        one line naming it, unless ``start_degraded`` asks to start anyway (a WARNING; it is retried later)."""
-        for i, (config, per_rank) in enumerate(zip(tiering.secondary_tiers, self._lookup_tiers, strict=True)):
-            reason = unusable_reason(per_rank[0]) if per_rank else None
-            self._unusable_at_start.append(reason)
-            if reason is None:
-                continue
-            what = f"secondary_tiers[{i}] ({tier_type(config)}) is unusable: {reason}"
-            if not tiering.start_degraded:
-                raise ConfigError(f"{what} (set start_degraded to start without it)")
-            self._log.warning("%s; starting degraded (start_degraded), it is retried later", what)
-            self._health.down(i, reason, logged=True)
 
     def describe(self) -> list[str]:
         """One phrase per tier for a start line: kind, where, capacity, records a restart found (disk)."""
@@ -192,7 +188,8 @@ class Tiering:
             self._mark_unreachable(req_id, [k for k in query.keys if k not in found])
         elif req_id in self._unreachable:
             self._unreachable[req_id].difference_update(query.keys)
-        return self._promote(req_id, keys, num_computed_tokens, query, answer)  # HIT_PENDING until it completes
+        # HIT_PENDING until it completes, unless the promotion is chained to the request's load in this plan
+        return self._promote(req_id, keys, num_computed_tokens, query, answer) and not self.chain_promotions
 
     def _mark_unreachable(self, req_id: str, keys: Sequence[OffloadKey]) -> None:
         """Host misses no tier could be asked for: their misses count as ``tier_unavailable``; asked again later."""
@@ -200,6 +197,12 @@ class Tiering:
         asked = self._queried.get(req_id)
         if asked is not None:
             asked.difference_update(keys)
+
+    def chained_promotions(self, req_id: str) -> Set[OffloadKey]:
+        """With ``chain_promotions``: the keys queued for promotion in the plan being built (by this request's lookup
+        or another's); the workers run a promotion before the loads that read its chunks, in the same step, so no
+        step is lost waiting for it."""
+        return self._chained
 
     def unavailable_keys(self, req_id: str) -> Set[OffloadKey]:
         """The request's host misses that a tier could not be asked for (unavailable, or past the timeout)."""
@@ -252,6 +255,8 @@ class Tiering:
         for t, (tier_keys, chunks) in sorted(by_tier.items()):
             job = self._new_tier_job(t, True, tier_keys, chunks, req_id, sum(tokens[k] for k in tier_keys))
             jobs.add(job.job_id)
+        if self.chain_promotions:
+            self._chained.update(plan.keys_to_store)
         return True
 
     def _new_tier_job(
@@ -277,6 +282,7 @@ class Tiering:
 
     def plan_tier_jobs(self) -> tuple[TierJob, ...]:
         """This step's promotions and the cascades of chunks stored since the last plan."""
+        self._chained.clear()  # a chained hit is loaded in this plan or not at all
         self._gate.watch(self._health)
         self._plan_cascades()
         jobs, self._queued_tier_jobs = self._queued_tier_jobs, []
@@ -379,6 +385,7 @@ class Tiering:
         holds is a MISS), as vLLM holds promotions until the reset is flushed."""
         unsent = {job.job_id for job in self._queued_tier_jobs}
         self._queued_tier_jobs = []
+        self._chained.clear()
         for job_id in unsent:
             state = self._tier_jobs.pop(job_id)
             if state.req_id is not None:

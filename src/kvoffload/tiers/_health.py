@@ -12,7 +12,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvoffload._generated import FsTierConfig, SecondaryTierConfig, ValkeyTierConfig
+from kvoffload._generated import FsTierConfig, SecondaryTierConfig, TieringConfig, ValkeyTierConfig
+from kvoffload.errors import ConfigError
 from kvoffload.tiers._base import SecondaryTier, TierBase
 
 __all__ = ["TierHealth", "TierStatsRow", "tier_is_healthy", "tier_type", "unusable_reason"]
@@ -102,6 +103,23 @@ class TierHealth:
         self._rows = rows
         self._log = log
         self._down_since = [0.0] * len(rows)
+
+    def check_at_start(self, tiering: TieringConfig, lookup_tiers: list[list[SecondaryTier]]) -> list[str | None]:
+        """Refuse to start on a tier that cannot be used now (a mistyped path, a server that is not there), in
+        one line naming it, unless ``start_degraded`` asks to start anyway (a WARNING; it is retried later).
+        Returns why each tier (config order) was unusable at start, None for a usable one."""
+        reasons: list[str | None] = []
+        for i, (config, per_rank) in enumerate(zip(tiering.secondary_tiers, lookup_tiers, strict=True)):
+            reason = unusable_reason(per_rank[0]) if per_rank else None
+            reasons.append(reason)
+            if reason is None:
+                continue
+            what = f"secondary_tiers[{i}] ({tier_type(config)}) is unusable: {reason}"
+            if not tiering.start_degraded:
+                raise ConfigError(f"{what} (set start_degraded to start without it)")
+            self._log.warning("%s; starting degraded (start_degraded), it is retried later", what)
+            self.down(i, reason, logged=True)
+        return reasons
 
     def down(self, tier: int, reason: str, *, logged: bool = False) -> None:
         """Tier ``tier`` could not be asked for ``reason``: a WARNING and an outage when it was available.

@@ -126,7 +126,13 @@ class TierWorker:
 
     def poll(self) -> list[TierJobResult]:
         """Tier jobs finished since the last call."""
+        self._collect()
         out, self._done = self._done, []
+        return out
+
+    def _collect(self) -> None:
+        """Settle the tier jobs that finished: a promotion's rows are sealed here, so a load may read them."""
+        out = self._done
         for t, tier in enumerate(self.tiers):
             for r in tier.poll():
                 self._jobs.pop(r.job_id, None)
@@ -146,7 +152,6 @@ class TierWorker:
                         corrupt=pack_int32(corrupt),
                     )
                 )
-        return out
 
     def recent_keys(self, tier: int) -> list[OffloadKey]:
         """Keys this rank cascaded to tier ``tier`` successfully, the most recent last (up to 4096)."""
@@ -173,7 +178,8 @@ class TierWorker:
 
     def wait_for_promotions(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` (default ``promotion_wait_s``) for the promotions of the last :meth:`submit`, once:
-        one still running then finishes in the background (a hung server costs one step, not every step)."""
+        one still running then finishes in the background (a hung server costs one step, not every step). The
+        finished ones are settled (their rows sealed) before it returns; :meth:`poll` reports them."""
         ids, self._step_promotions = self._step_promotions, []
         limit = self.wait_s if timeout is None else timeout
         if not ids or limit <= 0:
@@ -184,6 +190,7 @@ class TierWorker:
             mine = [j for j in ids if self._jobs.get(j) == t]
             if mine:
                 ok = tier.wait(mine, max(0.0, deadline - time.monotonic())) and ok
+        self._collect()  # seal what the promotions brought in: this step's loads may read it
         return ok
 
     def wait(self, timeout: float | None = None) -> bool:

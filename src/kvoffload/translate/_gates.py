@@ -11,8 +11,9 @@ Three flags of the :class:`~kvoffload.OffloadingConfig` come from conjunctions o
   non-MLA full-attention spec with its heads genuinely sharded (``num_kv_heads * tp == total_num_kv_heads``),
   no per-token-head quantization, dcp and pcp 1.
 * With ``canonical_layout`` and the direct gate False, every layer spec of every group is certified one by one
-  (attention, no per-token-head scales; plain MLA with one token per state and a real page divisible by the
-  block size; or full / sliding-window attention with ``num_kv_heads == max(1, total // tp)`` where total and
+  (attention, no per-token-head scales; plain MLA with one token per state (not several tokens, nor several
+  states per token) and a real page divisible by the block size; never the other MLA kinds (SWA-MLA, the
+  hidden-state cache); or full / sliding-window attention with ``num_kv_heads == max(1, total // tp)`` where total and
   tp divide one another), and the flag becomes: some layers, all certified, dcp and pcp 1, world size tp.
 * With ``canonical_layout``, ``replicated_layout`` is recomputed: parallelism-agnostic, every selected layer
   spec exactly ``mla_attention``, one node, and a single worker or the ``mp`` backend.
@@ -39,7 +40,13 @@ from kvoffload._generated.types import (
     UniformTypeKVCacheSpecs,
 )
 from kvoffload.translate._explain import DecisionSink, record_gates
-from kvoffload.translate._spec_math import is_per_token_head, iter_layer_specs, real_page_size_bytes, spec_kind
+from kvoffload.translate._spec_math import (
+    is_per_token_head,
+    iter_layer_specs,
+    real_page_size_bytes,
+    spec_kind,
+    tokens_per_state,
+)
 
 __all__ = ["ParallelGates", "decide_parallel_gates"]
 
@@ -270,9 +277,10 @@ def _spec_certifiable(spec: KVCacheSpec, tp: int, total_kv_heads: int) -> tuple[
         return False, f"{kind} kv_quant_mode={spec.kv_quant_mode.value!r} has per-token-head scales"
     if type(spec) is MLAAttentionSpec:
         real = real_page_size_bytes(spec)
-        ok = spec.tokens_per_state == 1 and real % spec.block_size == 0
+        tps = tokens_per_state(spec)  # Fraction(1, n) with states_per_token = n: never 1
+        ok = tps == 1 and real % spec.block_size == 0
         return ok, (
-            f"mla_attention: tokens_per_state={spec.tokens_per_state} (needs 1), real page {real} bytes "
+            f"mla_attention: tokens_per_state={tps} (needs 1), real page {real} bytes "
             f"{'divisible' if real % spec.block_size == 0 else 'not divisible'} by "
             f"block_size={spec.block_size}"
         )

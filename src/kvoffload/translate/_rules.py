@@ -34,6 +34,7 @@ from kvoffload.translate._spec_math import (
     prefix_cacheable,
     resolve_dcp_kv_block_size,
     spec_kind,
+    tokens_per_state,
 )
 
 __all__ = ["partial_hash_hits_enabled", "resolve_kv_cache_block_sizes", "sliding_window_size_in_chunks"]
@@ -121,11 +122,14 @@ def resolve_kv_cache_block_sizes(
             f"Invalid prefix_match_unit={hash_bs}; prefix-cacheable KV cache group block sizes must be "
             f"divisible by prefix_match_unit. Got group block sizes={sizes}, prefix-cacheable={hashing}."
         )
+    # vLLM collects the int tokens_per_state > 1 only: Fraction(1, n) (states_per_token = n) never compresses.
     alignments = {
-        spec.tokens_per_state
+        tps
         for g in groups
         for spec in iter_layer_specs(g.kv_cache_spec)
-        if prefix_cacheable(spec) and not isinstance(spec, UniformTypeKVCacheSpecs) and spec.tokens_per_state > 1
+        if prefix_cacheable(spec) and not isinstance(spec, UniformTypeKVCacheSpecs)
+        for tps in (tokens_per_state(spec),)
+        if isinstance(tps, int) and tps > 1
     }
     partial = partial_hash_hits_enabled(groups, hash_bs, dcp)
     hit_alignment = hash_bs if partial else scheduler_bs

@@ -5,9 +5,10 @@ Every function here is a small, pure function over the generated spec types of `
 its spec dataclasses (``page_size_bytes``, ``prefix_cacheable``, ...); our specs are plain msgspec Structs, so
 the same formulas live here as free functions. An attention page holds
 ``num_heads * (block_size // tokens_per_state)`` states of ``(head_size + head_size_v) * dtype_size`` bytes
-each (or ``state_content_bytes``), padded to ``page_size_padded`` when set; MLA-family specs pad to their
-``alignment``; a Mamba page is the sum of ``prod(shape) * dtype_size`` over its state tensors; a
-``uniform_type`` page is the sum of its layers' pages.
+each (or ``state_content_bytes``); vLLM's ``tokens_per_state = Fraction(1, n)`` (n states per token) is
+``states_per_token = n`` here, with ``block_size * n`` states per block (:func:`tokens_per_state`). Pages are
+padded to ``page_size_padded`` when set; MLA-family specs pad to their ``alignment``; a Mamba page is the sum
+of ``prod(shape) * dtype_size`` over its state tensors; a ``uniform_type`` page is the sum of its layers' pages.
 
 The translator rules built on these formulas (block-size resolution, windows measured in chunks) are in
 :mod:`kvoffload.translate._rules`.
@@ -17,11 +18,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from fractions import Fraction
 from types import MappingProxyType
 from typing import Final
 
 from kvoffload._generated.types import (
     AttentionSpec,
+    BaseKVCacheSpec,
+    CircularBufferSpec,
     DType,
     KVCacheGroupSpec,
     KVCacheSpec,
@@ -52,6 +56,7 @@ __all__ = [
     "resolve_dcp_kv_block_size",
     "spec_kind",
     "state_content_size_bytes",
+    "tokens_per_state",
 ]
 
 # ----------------------------------------------------------------------------------------------------
@@ -96,7 +101,7 @@ def is_per_token_head(mode: KVQuantMode) -> bool:
 # ----------------------------------------------------------------------------------------------------
 
 
-def spec_kind(spec: KVCacheSpec) -> str:
+def spec_kind(spec: BaseKVCacheSpec) -> str:
     """The spec's ``type`` tag (``full_attention``, ``mla_attention``, ``uniform_type``, ...) for messages."""
     return str(type(spec).__struct_config__.tag)
 
@@ -128,7 +133,8 @@ def dcp_sharded(spec: KVCacheSpec) -> bool:
 
 
 def prefix_cacheable(spec: KVCacheSpec) -> bool:
-    """Whether the spec's blocks can serve prefix-cache hits: False only for bounded-replay SWA-MLA.
+    """Whether the spec's blocks can serve prefix-cache hits: False for bounded-replay SWA-MLA and for a
+    circular buffer (one ring block per request), True for every other kind.
 
     A wrapper is prefix-cacheable when all its layers are (vacuously True when empty).
     """
@@ -136,7 +142,7 @@ def prefix_cacheable(spec: KVCacheSpec) -> bool:
         return all(prefix_cacheable(inner) for inner in spec.kv_cache_specs.values())
     if isinstance(spec, SlidingWindowMLASpec):
         return not spec.bounded_replay
-    return True
+    return not isinstance(spec, CircularBufferSpec)
 
 
 def num_heads(spec: AttentionSpec | MambaSpec) -> int:
@@ -151,10 +157,35 @@ def head_size_v(spec: AttentionSpec) -> int:
     return spec.head_size if spec.head_size_v is None else spec.head_size_v
 
 
+def tokens_per_state(spec: AttentionSpec | MambaSpec) -> int | Fraction:
+    """vLLM's ``tokens_per_state``: ``Fraction(1, states_per_token)`` when an attention spec stores several
+    states per token, else the ``tokens_per_state`` field (an int; Mamba's -1 means one state per block).
+
+    Raises ConfigError naming both fields when ``states_per_token > 1`` comes with ``tokens_per_state != 1``:
+    vLLM's single value is either whole tokens per state or a fraction, never both.
+    """
+    if isinstance(spec, MambaSpec) or spec.states_per_token == 1:
+        return spec.tokens_per_state
+    if spec.states_per_token < 1:
+        # The schema's bound (ge = 1); a spec built with msgspec.structs.replace skips it.
+        raise ConfigError(f"{spec_kind(spec)} spec has states_per_token={spec.states_per_token} (needs >= 1)")
+    if spec.tokens_per_state != 1:
+        raise ConfigError(
+            f"{spec_kind(spec)} spec has states_per_token={spec.states_per_token} with "
+            f"tokens_per_state={spec.tokens_per_state}: several states per token (vLLM's tokens_per_state = "
+            f"Fraction(1, {spec.states_per_token})) needs tokens_per_state=1"
+        )
+    return Fraction(1, spec.states_per_token)
+
+
 def num_states(spec: AttentionSpec | MambaSpec) -> int:
-    """States per block: ``block_size // tokens_per_state`` when ``tokens_per_state > 0``, else 1 (Mamba)."""
-    tps = spec.tokens_per_state
-    return spec.block_size // tps if tps > 0 else 1
+    """States per block: ``block_size // tokens_per_state`` when ``tokens_per_state > 0``, else 1 (Mamba).
+
+    With ``states_per_token = n`` (vLLM's ``Fraction(1, n)``) that is ``block_size * n``. Raises ConfigError for
+    a spec that sets both (see :func:`tokens_per_state`).
+    """
+    tps = tokens_per_state(spec)
+    return int(spec.block_size // tps) if tps > 0 else 1
 
 
 def state_content_size_bytes(spec: AttentionSpec | MambaSpec) -> int:

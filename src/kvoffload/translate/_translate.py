@@ -36,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from typing import TypeAlias
 
 from kvoffload._generated.types import (
+    AttentionSpec,
     EngineConfig,
     EngineSnapshot,
     KVCacheConfig,
@@ -59,6 +60,7 @@ from kvoffload.translate._spec_math import (
     prefix_cacheable,
     resolve_dcp_kv_block_size,
     spec_kind,
+    tokens_per_state,
 )
 
 __all__ = [
@@ -121,16 +123,23 @@ def explain_snapshot(snapshot: EngineSnapshot) -> Explanation:
 
 
 def _check_spec_construction(kv: KVCacheConfig) -> None:
-    """What vLLM's spec dataclasses reject when they are built, i.e. before the translator runs."""
-    for group in kv.kv_cache_groups:
+    """What vLLM's spec dataclasses reject when they are built, i.e. before the translator runs; and a spec that
+    means no vLLM value (``states_per_token > 1`` with ``tokens_per_state != 1``), a ConfigError naming it."""
+    for group_id, group in enumerate(kv.kv_cache_groups):
         outer = group.kv_cache_spec
-        nested = outer.kv_cache_specs.values() if isinstance(outer, UniformTypeKVCacheSpecs) else ()
-        for spec in (outer, *nested):
+        where = f"kv_cache_groups[{group_id}].kv_cache_spec"
+        nested = outer.kv_cache_specs.items() if isinstance(outer, UniformTypeKVCacheSpecs) else ()
+        for path, spec in ((where, outer), *((f"{where}.kv_cache_specs[{n!r}]", s) for n, s in nested)):
             alignment = spec.block_stride_alignment
             if alignment is not None and alignment <= 0:
                 raise OffloadingConfigError("block_stride_alignment must be positive")
             if isinstance(spec, SlidingWindowMLASpec) and spec.model_version not in (None, "deepseek_v4"):
                 raise bare_assertion(f"SlidingWindowMLASpec.model_version={spec.model_version!r} (None or deepseek_v4)")
+            if isinstance(spec, AttentionSpec):
+                try:
+                    tokens_per_state(spec)
+                except ConfigError as exc:
+                    raise ConfigError(f"{path}: {exc}") from None
 
 
 def _translate(engine_config: EngineConfig, kv: KVCacheConfig, note: DecisionSink) -> OffloadingConfig:

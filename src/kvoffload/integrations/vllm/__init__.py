@@ -53,7 +53,7 @@ from kvoffload.integrations.vllm._messages import (
     KVOffloadPromMetrics,
     KVOffloadWorkerMetadata,
 )
-from kvoffload.integrations.vllm._scheduler import _SchedulerHalf
+from kvoffload.integrations.vllm._scheduler import _SchedulerHalf, engine_group_facts
 from kvoffload.integrations.vllm._snapshot import _fit_chunk_size, snapshot_from_vllm
 from kvoffload.integrations.vllm._worker import _WorkerHalf
 from kvoffload.offload.scheduler import SchedulerStats
@@ -123,7 +123,17 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: _WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             on_cpu = vllm_config.device_config.device_type == "cpu"
-            self._scheduler = _SchedulerHalf(self.offloading_config, options, tiering, engine_on_cpu=on_cpu)
+            scheduler_kv, eagle_ids = engine_group_facts(
+                vllm_config, kv_cache_config, self.offloading_config, self.snapshot.kv_cache_config
+            )
+            self._scheduler = _SchedulerHalf(
+                self.offloading_config,
+                options,
+                tiering,
+                engine_on_cpu=on_cpu,
+                kv_cache_config=scheduler_kv,
+                eagle_group_ids=eagle_ids,
+            )
             if vllm_config.kv_transfer_config.kv_load_failure_policy != "recompute":
                 logger.warning(
                     "kvoffload: kv_load_failure_policy=%r makes vLLM fail a request whose host load fails (e.g. a "

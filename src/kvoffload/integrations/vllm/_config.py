@@ -11,7 +11,6 @@ from kvoffload.tiers import tiering_config_from_extra
 
 _UNSUPPORTED_KEYS = {
     "spec_module_path": "out-of-tree offloading specs are vLLM's; kvoffload's connector is its own spec",
-    "self_describing_kv_events": "only vLLM's placeholder KV events are published",
 }
 
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_events import BlockRemoved as VllmBlockRemoved
-from vllm.distributed.kv_events import BlockStored as VllmBlockStored
+import msgspec
 from vllm.distributed.kv_events import KVCacheEvent
 
 from kvoffload import wire
 from kvoffload._generated import (
-    BlockRemoved,
+    KVCacheConfig,
     LoadMode,
     OffloadingConfig,
     TieringConfig,
@@ -27,14 +27,26 @@ from kvoffload.offload.pool import HostPoolPlan, plan_host_pool_from_config
 from kvoffload.offload.scheduler import SchedulerStats, parse_load_tiers
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig as VllmKVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
     from kvoffload.tiers import Tiering, TierStatsRow
 
+from kvoffload.integrations.vllm._kv_events import SelfDescribingEvents, to_vllm_events
 from kvoffload.integrations.vllm._messages import (
+    CPU_ALLOCATION_SIZE,
+    CPU_CACHE_READ_USAGE,
+    CPU_CACHE_USAGE,
+    CPU_CACHE_WRITE_USAGE,
+    LOAD_SIZE,
+    LOOKUP_ASYNC_DELAY,
+    LOOKUP_SYNC_DELAY,
+    STORE_SIZE,
+    STORES_SKIPPED,
     KVOffloadConnectorMetadata,
     KVOffloadConnectorStats,
     KVOffloadWorkerMetadata,
@@ -66,6 +78,8 @@ class _SchedulerHalf:
         tiering: TieringConfig | None = None,
         *,
         engine_on_cpu: bool = False,
+        kv_cache_config: KVCacheConfig | None = None,
+        eagle_group_ids: Collection[int] | None = None,
     ) -> None:
         pool = plan_host_pool_from_config(config)
         self.scheduler = build_scheduler(
@@ -75,6 +89,12 @@ class _SchedulerHalf:
             enable_events=config.enable_kv_cache_events,
             null_block_id=_NULL_BLOCK_ID,
             log=logger,
+            # A CPU worker waits for its step's promotions, so a tier hit loads in the step it is promoted; not
+            # with one pool shared across ranks (its writer promotes the rows the other ranks load).
+            chain_promotions=engine_on_cpu and not (config.replicated_layout and config.parallel.world_size > 1),
+            # the groups' engine facts (EAGLE, Mamba align, retention interval) the plan does not carry
+            kv_cache_config=kv_cache_config,
+            eagle_group_ids=eagle_group_ids,
         )
         self.async_loads = options.load_mode is LoadMode.ASYNC
         self._group_ids = [g.group_id for g in config.groups]
@@ -82,8 +102,22 @@ class _SchedulerHalf:
         self._tracked: dict[str, _Tracked] = {}  # those registered with the scheduler (not while preempted)
         self._generation = itertools.count()
         self._reported: dict[str, float] = {}
+        # Samples since the last interval_stats (vLLM asks every step): lookup delays, bytes per transfer job.
+        self._samples: dict[str, list[float]] = {
+            LOOKUP_SYNC_DELAY: [],
+            LOOKUP_ASYNC_DELAY: [],
+            LOAD_SIZE: [],
+            STORE_SIZE: [],
+        }
+        self._deferred_since: dict[str, float] = {}  # vLLM request id -> monotonic time of its first deferred lookup
         self.preemptions = 0
         self._closed = False
+        # self_describing_kv_events: full payloads in the KV events (kv_cache_config names the groups' kinds)
+        self._payloads = (
+            SelfDescribingEvents(config, kv_cache_config)
+            if config.enable_kv_cache_events and options.self_describing_kv_events
+            else None
+        )
         tiers_in = self._tiering()
         tiers = tiers_in.describe() if tiers_in is not None else []
         logger.info("%s", start_line(pool, config, options, engine_on_cpu=engine_on_cpu, tiers=tiers))
@@ -135,11 +169,19 @@ class _SchedulerHalf:
         return fresh
 
     def lookup(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """vLLM's ``get_num_new_matched_tokens``, timed as vLLM 0.33 times it: every lookup call's duration
+        (``lookup_sync_delay_seconds``), and for a request whose lookup was deferred (None: a store, load, tier
+        query or promotion in flight) the time from its first deferred call to the call that answers
+        (``lookup_async_delay_seconds``)."""
         tracked = self.track(request)
         self._sync_tokens(tracked)
+        started = time.monotonic()
         hit = self.scheduler.lookup(tracked.sid, num_computed_tokens)
+        self._samples[LOOKUP_SYNC_DELAY].append(time.monotonic() - started)
         if hit is None:
+            self._deferred_since.setdefault(request.request_id, started)
             return None, False
+        self._end_deferral(request.request_id)
         # A hit within the step's sync_load_budget_bytes loads inside the step, as with load_mode='sync'.
         return hit, bool(hit) and self.async_loads and not self.scheduler.is_sync_load(tracked.sid)
 
@@ -166,6 +208,9 @@ class _SchedulerHalf:
             computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             self._advance(tracked, cached.new_block_ids[i], full=req_id in resumed, computed=computed)
         plan = self.scheduler.build_step_plan()
+        if self._payloads is not None and plan.store_jobs:
+            requests = {t.sid: t.request for t in self._tracked.values()}
+            self._payloads.on_plan(plan, requests, self.scheduler.manager)
         return KVOffloadConnectorMetadata(bytes(wire.encode(plan)[0]))
 
     def _tracked_or_resumed(self, req_id: str) -> _Tracked | None:
@@ -201,7 +246,14 @@ class _SchedulerHalf:
         else:
             self.scheduler.finish_request(tracked.sid)
 
+    def _end_deferral(self, req_id: str) -> None:
+        """The request's deferred lookups are over (answered, or the request ended): their delay is a sample."""
+        since = self._deferred_since.pop(req_id, None)
+        if since is not None:
+            self._samples[LOOKUP_ASYNC_DELAY].append(time.monotonic() - since)
+
     def finished(self, request: Request) -> None:
+        self._end_deferral(request.request_id)
         self._live.pop(request.request_id, None)
         self._forget(request.request_id, preempted=False)
 
@@ -209,7 +261,13 @@ class _SchedulerHalf:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVOffloadWorkerMetadata) and meta.reports:
             reports = [wire.decode([frame]).expect(WorkerReport) for frame in meta.reports]
+            for report in reports:  # one size sample per transfer job and worker, as vLLM's workers record them
+                for result in report.results:
+                    if result.num_bytes:
+                        self._samples[STORE_SIZE if result.is_store else LOAD_SIZE].append(result.num_bytes)
             self.scheduler.on_worker_reports(reports)
+            if self._payloads is not None:
+                self._payloads.on_reports(reports)
 
     def close(self) -> None:
         """Log the run's summary once, then release the tiers."""
@@ -221,7 +279,8 @@ class _SchedulerHalf:
         self.scheduler.close()
 
     def interval_stats(self) -> KVOffloadConnectorStats:
-        """Counter increases since the previous call (what vLLM aggregates, logs and exports)."""
+        """Counter increases, changed gauges and samples since the previous call (what vLLM aggregates, logs and
+        exports; see :class:`KVOffloadConnectorStats`)."""
         stats = self.scheduler.stats()
         now: dict[str, float] = {metric: getattr(stats, field) for field, metric in STAT_METRICS.items()}
         for reason, count in stats.lookup_miss_reasons.items():
@@ -238,30 +297,30 @@ class _SchedulerHalf:
             if value != previous:
                 delta[name] = value - previous
                 self._reported[name] = value
+        pool = self.scheduler.manager.stats()  # its allocation sizes and skipped stores restart at each call
+        for name, gauge in (
+            (CPU_CACHE_USAGE, pool.usage),
+            (CPU_CACHE_WRITE_USAGE, pool.write_usage),
+            (CPU_CACHE_READ_USAGE, pool.read_usage),
+        ):
+            if gauge != self._reported.get(name, 0.0):
+                delta[name] = self._reported[name] = gauge
+        if pool.stores_skipped:
+            delta[STORES_SKIPPED] = pool.stores_skipped
+        if pool.allocation_sizes:
+            delta[CPU_ALLOCATION_SIZE] = list(pool.allocation_sizes)
+        for name, samples in self._samples.items():
+            if samples:
+                delta[name] = samples
+                self._samples[name] = []
         return KVOffloadConnectorStats(data=delta)
 
     def events(self) -> list[KVCacheEvent]:
-        converted: list[KVCacheEvent] = []
-        for event in self.scheduler.take_events():
-            medium = event.medium.value
-            if isinstance(event, BlockRemoved):
-                converted.append(
-                    VllmBlockRemoved(block_hashes=list(event.block_hashes), medium=medium, group_idx=event.group_idx)
-                )
-            else:
-                converted.append(
-                    VllmBlockStored(
-                        block_hashes=list(event.block_hashes),
-                        parent_block_hash=event.parent_block_hash,
-                        token_ids=[],
-                        block_size=event.block_size,
-                        lora_id=None,
-                        medium=medium,
-                        lora_name=None,
-                        group_idx=event.group_idx,
-                    )
-                )
-        return converted
+        """The scheduler's KV events in vLLM's types: placeholders, or self-describing payloads (see _kv_events)."""
+        events = self.scheduler.take_events()
+        if self._payloads is not None:
+            events = self._payloads.take(events, self.scheduler.manager)
+        return to_vllm_events(events)
 
 
 def start_line(
@@ -312,3 +371,21 @@ def _limit(params: Mapping[str, object], key: str) -> int | None:
         logger.warning("kvoffload: ignoring kv_transfer_params[%r]=%r (not a non-negative int)", key, value)
         return None
     return value
+
+
+def engine_group_facts(
+    vllm_config: VllmConfig, vllm_kv_cache_config: VllmKVCacheConfig, config: OffloadingConfig, kv: KVCacheConfig
+) -> tuple[KVCacheConfig, tuple[int, ...]]:
+    """What the scheduler half needs of vLLM's engine beyond the plan: the snapshot's KV cache config ``kv`` with
+    vLLM's ``prefix_cache_retention_interval``, and the offloaded EAGLE/MTP draft groups as vLLM 0.33's
+    scheduler takes them (``is_eagle_group`` groups, and only when ``speculative_config.use_eagle_block_drop()``)."""
+    retention = getattr(vllm_kv_cache_config, "prefix_cache_retention_interval", None)
+    if retention is not None:
+        kv = msgspec.structs.replace(kv, prefix_cache_retention_interval=retention)
+    spec = vllm_config.speculative_config
+    if spec is None or not spec.use_eagle_block_drop():
+        return kv, ()
+    groups = kv.kv_cache_groups
+    return kv, tuple(
+        g.group_id for g in config.groups if g.group_id < len(groups) and groups[g.group_id].is_eagle_group
+    )

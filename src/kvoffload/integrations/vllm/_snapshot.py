@@ -12,9 +12,12 @@ import msgspec
 import torch
 
 from kvoffload._generated import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CircularBufferSpec,
     EngineSnapshot,
     FullAttentionSpec,
+    HiddenStateCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
@@ -39,8 +42,10 @@ _NULL_BLOCK_ID = 0
 _SPEC_TAGS: dict[str, tuple[str, type[msgspec.Struct]]] = {
     "SlidingWindowMLASpec": ("sliding_window_mla", SlidingWindowMLASpec),
     "SlidingWindowSpec": ("sliding_window", SlidingWindowSpec),
+    "HiddenStateCacheSpec": ("hidden_state_cache", HiddenStateCacheSpec),
     "MLAAttentionSpec": ("mla_attention", MLAAttentionSpec),
     "ChunkedLocalAttentionSpec": ("chunked_local_attention", ChunkedLocalAttentionSpec),
+    "CircularBufferSpec": ("circular_buffer", CircularBufferSpec),
     "FullAttentionSpec": ("full_attention", FullAttentionSpec),
     "MambaSpec": ("mamba", MambaSpec),
     "UniformTypeKVCacheSpecs": ("uniform_type", UniformTypeKVCacheSpecs),
@@ -58,7 +63,7 @@ def _plain(value: object, where: str) -> object:
     if isinstance(value, bool | int | float | str) or value is None:
         return value
     if isinstance(value, Fraction):
-        raise ConfigError(f"{where}={value}: fractional tokens_per_state cannot be expressed in the schema yet")
+        raise ConfigError(f"{where}={value}: a Fraction is only expressible as an attention spec's tokens_per_state")
     if isinstance(value, list | tuple):
         return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, Mapping):
@@ -80,7 +85,13 @@ def _spec_document(spec: object, where: str) -> dict[str, object]:
     tag, ours = found
     document: dict[str, object] = {"type": tag}
     for name in ours.__struct_fields__:
-        if name == "kv_cache_specs":
+        if (
+            name == "tokens_per_state"
+            and issubclass(ours, AttentionSpec)
+            and isinstance(getattr(spec, name, None), Fraction)
+        ):
+            document.update(_state_fields(getattr(spec, name), f"{where}.{name}"))
+        elif name == "kv_cache_specs":
             inner = getattr(spec, "kv_cache_specs", {})
             document[name] = {
                 layer: _spec_document(s, f"{where}.kv_cache_specs[{layer!r}]") for layer, s in inner.items()
@@ -88,6 +99,17 @@ def _spec_document(spec: object, where: str) -> dict[str, object]:
         elif hasattr(spec, name):
             document[name] = _plain(getattr(spec, name), f"{where}.{name}")
     return document
+
+
+def _state_fields(value: Fraction, where: str) -> dict[str, object]:
+    """vLLM's ``tokens_per_state = Fraction(1, n)`` (n states per token) as ``states_per_token = n``; any other
+    fraction (vLLM documents whole tokens per state or ``Fraction(1, n)`` only) is refused naming it."""
+    if value.numerator != 1 or value.denominator < 1:
+        raise ConfigError(
+            f"{where}=Fraction({value.numerator}, {value.denominator}): only an int or Fraction(1, n) "
+            "(n states per token) can be expressed in a snapshot"
+        )
+    return {"tokens_per_state": 1, "states_per_token": value.denominator}
 
 
 def _executor_backend(backend: object) -> str | None:
@@ -101,7 +123,8 @@ def snapshot_from_vllm(vllm_config: VllmConfig, kv_cache_config: VllmKVCacheConf
 
     Field names are vLLM's, so the snapshot is a faithful dump; ``msgspec.json.encode`` it to write a file.
     Raises :class:`~kvoffload.ConfigError` naming the attribute when the engine holds something the schema
-    cannot express (an unknown spec type, a fractional ``tokens_per_state``).
+    cannot express (an unknown spec type, a ``tokens_per_state`` fraction other than ``Fraction(1, n)``, which
+    becomes ``states_per_token = n``).
     """
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     ktc, kec = vllm_config.kv_transfer_config, vllm_config.kv_events_config

@@ -180,14 +180,23 @@ class HostBlockManager:
         """
         return self._table.lookup(key)
 
-    def prepare_load(self, keys: Sequence[OffloadKey], *, request_id: str | None = None) -> list[int]:
+    def prepare_load(
+        self,
+        keys: Sequence[OffloadKey],
+        *,
+        request_id: str | None = None,
+        pending_ok: Collection[OffloadKey] = (),
+    ) -> list[int]:
         """Pin ``keys`` for reading and return their chunk ids in key order.
 
         Every key must be stored and ready, else :class:`InvalidStateError` names it and nothing stays
         pinned. A key may be pinned several times; each pin needs one :meth:`complete_load`. With the
         ``request_id`` of a request with a context, the policy observes the access (``on_request_access``).
+        Keys in ``pending_ok`` may also be pending: for a caller that orders the load after their write (a tier
+        promotion and its load in one step); the pin holds once the write succeeds, and a failed write leaves
+        the chunk unserved until the pin is released.
         """
-        chunk_ids = self._table.prepare_load(keys)
+        chunk_ids = self._table.prepare_load(keys, pending_ok)
         ctx = self._context(request_id)
         if ctx is not None:
             self._table.policy.on_request_access(keys, ctx)

@@ -3,6 +3,10 @@
 A key's chunk is *pending* while its write is in flight (vLLM ``ref_cnt == -1``), *ready* once the store
 completed (``0``) and *pinned* while loads read it (``> 0``). :class:`ChunkTable` answers lookups, takes and
 releases load pins and performs the writes :class:`~kvoffload.offload.manager.HostBlockManager` decides on.
+
+A load may also pin a pending key when its caller orders the load after the write (an *early* pin: a promotion
+and its load in one step plan); the pins carry over when the write seals, and a failed write leaves the key dead
+until they are released.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class ChunkTable:
     __slots__ = (
         "_cid",
         "_dead",
+        "_early",
         "_evictable",
         "_free",
         "_next_fresh",
@@ -55,6 +60,7 @@ class ChunkTable:
         self._evictable = 0  # resident chunks with ref_cnt == 0
         self._write_pending = 0  # resident chunks with ref_cnt == -1
         self._dead: set[OffloadKey] = set()  # pinned keys dropped as corrupt: freed at their last unpin
+        self._early: dict[OffloadKey, int] = {}  # pending key -> load pins taken before its write sealed
         self.hits = 0
         """Lookups answered HIT or HIT_PENDING."""
         self.misses = 0
@@ -124,24 +130,32 @@ class ChunkTable:
         self.hits += 1
         return _HIT if ref >= 0 else _HIT_PENDING
 
-    def prepare_load(self, keys: Sequence[OffloadKey]) -> list[int]:
+    def prepare_load(self, keys: Sequence[OffloadKey], pending_ok: Collection[OffloadKey] = ()) -> list[int]:
         """Pin ``keys`` for reading and return their chunk ids in key order.
 
-        Every key must be stored and ready, else :class:`InvalidStateError` names it and nothing stays
-        pinned. A key may be pinned several times; each pin needs one :meth:`complete_load`.
+        Every key must be stored and ready, or pending and in ``pending_ok`` (an early pin: the caller orders the
+        load after the write), else :class:`InvalidStateError` names it and nothing stays pinned. A key may be
+        pinned several times; each pin needs one :meth:`complete_load`.
         """
         ref = self._ref
         first_pins: list[OffloadKey] = []
+        early: list[OffloadKey] = []
         for i, key in enumerate(keys):
             count = ref.get(key)
+            if count == -1 and pending_ok and key in pending_ok:
+                early.append(key)
+                continue
             if count is None or count < 0 or key in self._dead:
                 for done in keys[:i]:
-                    ref[done] -= 1
+                    if ref[done] >= 0:
+                        ref[done] -= 1
                 state = "not stored" if count is None or count > 0 else "not ready (its store is in flight)"
                 raise InvalidStateError(f"cannot load key {key!r}: {state}")
             if count == 0:
                 first_pins.append(key)
             ref[key] = count + 1
+        for key in early:
+            self._early[key] = self._early.get(key, 0) + 1
         if first_pins:
             self._evictable -= len(first_pins)
             self._policy.mark_non_evictable_many(first_pins)
@@ -154,13 +168,21 @@ class ChunkTable:
 
         A key that is not pinned raises :class:`InvalidStateError` naming it, and no pin is released.
         """
-        ref = self._ref
+        ref, early = self._ref, self._early
         released: list[OffloadKey] = []
         for i, key in enumerate(keys):
             count = ref.get(key)
+            if count == -1 and early.get(key, 0) > 0:
+                early[key] -= 1  # an early pin released before the write sealed (a load that failed first)
+                if not early[key]:
+                    del early[key]
+                continue
             if count is None or count <= 0:
                 for done in keys[:i]:
-                    ref[done] += 1
+                    if ref[done] == -1:
+                        early[done] = early.get(done, 0) + 1
+                    else:
+                        ref[done] += 1
                 state = "not stored" if count is None else "not pinned by a load"
                 raise InvalidStateError(f"cannot complete load of key {key!r}: {state}")
             count -= 1
@@ -262,26 +284,36 @@ class ChunkTable:
         return chunk_ids
 
     def seal(self, keys: Collection[OffloadKey]) -> list[OffloadKey]:
-        """The pending keys of ``keys`` turn ready; returns them."""
-        ref = self._ref
+        """The pending keys of ``keys`` turn ready (pinned by their early pins, if any); returns them."""
+        ref, early = self._ref, self._early
         changed: list[OffloadKey] = []
+        evictable: list[OffloadKey] = []
         for key in keys:  # one by one: a key listed twice changes once
             if ref.get(key) == -1:
-                ref[key] = 0
+                pins = early.pop(key, 0) if early else 0
+                ref[key] = pins
                 changed.append(key)
-        if changed:
-            self._policy.mark_evictable_many(changed)
-            self._evictable += len(changed)
-            self._write_pending -= len(changed)
+                if not pins:
+                    evictable.append(key)
+        if evictable:
+            self._policy.mark_evictable_many(evictable)
+            self._evictable += len(evictable)
+        self._write_pending -= len(changed)
         return changed
 
     def fail(self, keys: Collection[OffloadKey]) -> list[OffloadKey]:
-        """The pending keys of ``keys`` are forgotten and their chunks freed; returns them."""
-        ref = self._ref
+        """The pending keys of ``keys`` are forgotten and their chunks freed (a key with early pins turns dead and
+        is freed at its last unpin: it is never served); returns them."""
+        ref, early = self._ref, self._early
         changed: list[OffloadKey] = []
         for key in keys:  # one by one: a key listed twice changes once
             if ref.get(key) == -1:
-                self._free_key(key)
+                pins = early.pop(key, 0) if early else 0
+                if pins:
+                    ref[key] = pins
+                    self._dead.add(key)
+                else:
+                    self._free_key(key)
                 changed.append(key)
         self._write_pending -= len(changed)
         return changed
@@ -313,3 +345,4 @@ class ChunkTable:
         self._evictable = 0
         self._write_pending = 0
         self._dead.clear()
+        self._early.clear()

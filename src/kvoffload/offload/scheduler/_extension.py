@@ -41,6 +41,12 @@ class SchedulerExtension(Protocol):
         was unavailable or did not answer in time); the lookup counts their misses as ``tier_unavailable``."""
         ...
 
+    def chained_promotions(self, req_id: str) -> Set[OffloadKey]:
+        """Keys of the request the extension is writing into the host pool with this step's plan, ahead of the
+        plan's loads (the workers run such a write before a load that reads its chunks): the lookup counts them
+        as hits and pins them before their write completes. Empty when the extension does not chain."""
+        ...
+
     def on_store_completed(self, keys: Sequence[OffloadKey]) -> None:
         """A store job completed on every worker and its chunks are ready in the host pool."""
         ...

@@ -48,9 +48,17 @@ class Lookups:
         """A step plan was built: the next step's sync-load budget starts full."""
         self._sync_left = self._sync_budget
 
-    def lookup(self, req_id: str, num_computed_tokens: int, unavailable: Set[OffloadKey] = frozenset()) -> int | None:
+    def lookup(
+        self,
+        req_id: str,
+        num_computed_tokens: int,
+        unavailable: Set[OffloadKey] = frozenset(),
+        early: Set[OffloadKey] = frozenset(),
+    ) -> int | None:
         """The host-pool lookup of :meth:`OffloadScheduler.lookup`; ``unavailable``: host misses a tier could not
-        be asked for (they miss as ``tier_unavailable``). Counts a final answer as a lookup, None as a re-ask."""
+        be asked for (they miss as ``tier_unavailable``); ``early``: pending chunks whose write this step's plan
+        runs before its loads (a chained promotion: hits, pinned early). Counts a final answer as a lookup, None
+        as a re-ask."""
         req = self._book.request(req_id)
         self._book.release_pins(req)
         req.misses = ()
@@ -61,7 +69,10 @@ class Lookups:
         max_hit = req.num_tokens - 1
         if req.max_load_tokens is not None:
             max_hit = min(max_hit, num_computed_tokens + req.max_load_tokens)
-        hit, recomputes_pending = self._lookup_groups(req, num_computed_tokens, max_hit)
+        align = self._book.mamba_align
+        if align is not None:  # an align-mode Mamba group: hits end on its chunk boundaries (vLLM 0.33 §5.5)
+            max_hit = max_hit // align * align
+        hit, recomputes_pending = self._lookup_groups(req, num_computed_tokens, max_hit, early)
         if hit is None:
             self._stats.lookups_deferred += 1
             self._explain(req, num_computed_tokens, num_computed_tokens, pending_only=True)
@@ -78,7 +89,7 @@ class Lookups:
         # both loads, so this request loads them into its own blocks at once instead of waiting for the other
         # load to land (vLLM 0.33 waits here: the convoy of vLLM issue 44294). See Transfers: shared loads.
         keys = self._hit_keys(req, num_computed_tokens, max_hit)
-        self._manager.prepare_load(keys, request_id=req.req_id)  # the policy sees the access (vLLM: no touch)
+        self._manager.prepare_load(keys, request_id=req.req_id, pending_ok=early)  # the policy sees the access
         req.pinned = keys
         req.hit_start, req.hit_end = num_computed_tokens, max_hit
         req.sync_load = self._fits_sync_budget(req, hit)
@@ -144,7 +155,9 @@ class Lookups:
         self._stats.count(self._stats.chunks_removed, reason)
         return dropped
 
-    def _lookup_groups(self, req: RequestState, num_computed: int, max_hit: int) -> tuple[int | None, bool]:
+    def _lookup_groups(
+        self, req: RequestState, num_computed: int, max_hit: int, early: Set[OffloadKey] = frozenset()
+    ) -> tuple[int | None, bool]:
         """Tokens beyond ``num_computed`` that every group can load, or None to defer (vLLM's ``_lookup``), and
         whether pending chunks were cut off to be recomputed (``max_recompute_pending_tokens``).
 
@@ -153,11 +166,25 @@ class Lookups:
         may still answer "no hit"); when a later group shrinks the hit, a deferral is re-checked by
         visiting every group again, and earlier sliding windows are re-checked at the new end.
         Unlike vLLM, hit ends stay chunk-aligned (the scan ends at the last chunk wholly below ``max_hit``).
+
+        EAGLE groups (vLLM 0.33 §5.5) scan one chunk past the hit end (a window group wants a window one chunk
+        longer) and drop the last chunk they found, so the hit stops one chunk before the end of what the
+        group holds. A group drops once per hit end: re-checked at an end it or another EAGLE group set, it
+        scans up to that end only; when a non-EAGLE group moves the end down, each EAGLE group that is visited
+        again drops a chunk at the new end (vLLM's convergence: the groups re-run until the hit settles).
         """
         lookup = self._manager.lookup
+        if early:
+            base = lookup
+
+            def lookup(key: OffloadKey) -> LookupResult:
+                result = base(key)
+                return LookupResult.HIT if result is LookupResult.HIT_PENDING and key in early else result
+
         hit = 0
         defer = False
         cuts: dict[int, bool] = {}  # group index -> its last scan cut pending chunks off
+        dropped: set[int] = set()  # EAGLE groups that dropped their extra chunk at the current hit end
         to_visit = self._book.lookup_order
         while to_visit:
             looked_up_window = False
@@ -169,22 +196,31 @@ class Lookups:
                 if max_hit - num_computed < tpc:
                     return 0, any(cuts.values())
                 start = num_computed // tpc
-                scanned = keys[start : max_hit // tpc]
+                end = max_hit // tpc
+                # An EAGLE group asks for one chunk more than the hit may reach, then drops the last chunk of
+                # what it found: its trailing chunk is recomputed (vLLM 0.33 §5.5).
+                extra = g.eagle and g.index not in dropped
+                scanned = keys[start : min(end + 1, len(keys)) if extra else end]
                 chunks: int | None
                 if g.window_chunks is None:
                     chunks, cuts[g.index] = self._prefix_chunks(lookup, scanned, tpc)
                 else:
-                    chunks = sliding_window_lookup(lookup, scanned, max(1, g.window_chunks))
+                    chunks = sliding_window_lookup(lookup, scanned, max(1, g.window_chunks) + int(extra))
                 if chunks == 0:
                     return 0, any(cuts.values())
                 if chunks is None:
                     defer = True
                 else:
+                    if extra:
+                        chunks -= 1
+                        dropped.add(g.index)
                     max_hit = min(max_hit, (start + chunks) * tpc)
                 new_hit = max_hit - num_computed
                 if new_hit < tpc:
                     return 0, any(cuts.values())
                 if new_hit < hit:
+                    if not g.eagle:  # a new end no EAGLE group dropped a chunk at: each drops one again
+                        dropped.clear()
                     if defer:
                         defer = False
                         to_visit = self._book.lookup_order

@@ -33,7 +33,7 @@ manager, so they are never served again (``SchedulerStats.corrupt_loads`` / ``co
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import msgspec
 
@@ -55,7 +55,7 @@ from kvoffload.offload.scheduler._lookups import Lookups
 from kvoffload.offload.scheduler._misses import ChunkMiss
 from kvoffload.offload.scheduler._reports import Reports
 from kvoffload.offload.scheduler._results import ReportOutcome, SchedulerStats
-from kvoffload.offload.scheduler._state import GroupGeometry, RequestState, SchedulerBook
+from kvoffload.offload.scheduler._state import GroupGeometry, RequestState, SchedulerBook, check_retention_interval
 from kvoffload.offload.scheduler._tier_filter import TierFilter
 from kvoffload.offload.scheduler._transfers import Transfers
 
@@ -75,6 +75,15 @@ class OffloadScheduler:
     counts such lookups). ``sync_load_budget_bytes`` (0: off): per step, hits whose bytes (hit tokens x the KV
     bytes of one token on one worker) fit in what is left of the budget are loaded inside the step
     (:meth:`is_sync_load`, ``TransferJob.sync``), the others between steps.
+
+    The engine's facts about its groups, by KV cache group id (each must be an offloaded group;
+    :func:`~kvoffload.build_scheduler` reads them from the snapshot's ``KVCacheConfig``): ``eagle_group_ids``, the
+    EAGLE/MTP draft groups (vLLM: ``is_eagle_group`` with ``speculative_config.use_eagle_block_drop()``), whose
+    last offloadable chunk is not stored while a request decodes and whose lookups stop one chunk before the
+    end of what they hold; ``mamba_align_group_ids``, the ``mamba_cache_mode="align"`` Mamba groups (offloaded
+    as a window of one chunk), to whose chunk size every hit end is rounded down;
+    ``prefix_cache_retention_interval`` (tokens, vLLM's cache config), checked as vLLM's scheduler checks it (>= 0,
+    a multiple of every window group's tokens per chunk) and otherwise not used (see the README's limitations).
     """
 
     def __init__(
@@ -87,11 +96,17 @@ class OffloadScheduler:
         extension: SchedulerExtension | None = None,
         max_recompute_pending_tokens: int = 0,
         sync_load_budget_bytes: int = 0,
+        eagle_group_ids: Collection[int] = (),
+        mamba_align_group_ids: Collection[int] = (),
+        prefix_cache_retention_interval: int | None = None,
     ) -> None:
         self.config = config
         self.manager = manager
         self.extension = extension
-        book = self._book = SchedulerBook(config, manager)
+        book = self._book = SchedulerBook(
+            config, manager, eagle_group_ids=eagle_group_ids, mamba_align_group_ids=mamba_align_group_ids
+        )
+        self.prefix_cache_retention_interval = check_retention_interval(prefix_cache_retention_interval, book.groups)
         self.max_recompute_pending_tokens = check_int("max_recompute_pending_tokens", max_recompute_pending_tokens)
         self.sync_load_budget_bytes = check_int("sync_load_budget_bytes", sync_load_budget_bytes)
         self._lookups = Lookups(
@@ -116,8 +131,13 @@ class OffloadScheduler:
 
     @property
     def groups(self) -> tuple[GroupGeometry, ...]:
-        """The chunk geometry of each offloaded group, in config order."""
+        """The chunk geometry of each offloaded group, in config order (``eagle``: an EAGLE draft group)."""
         return self._book.groups
+
+    @property
+    def mamba_align_tokens(self) -> int | None:
+        """Tokens every hit end is rounded down to (the align-mode Mamba groups' chunk), or None without them."""
+        return self._book.mamba_align
 
     # ------------------------------------------------------------------------------------------ requests
 
@@ -255,7 +275,9 @@ class OffloadScheduler:
         if ext.defer_lookup(req_id, req.keys, num_computed_tokens):
             self._book.stats.lookups_deferred += 1
             return None
-        return self._lookups.lookup(req_id, num_computed_tokens, ext.unavailable_keys(req_id))
+        return self._lookups.lookup(
+            req_id, num_computed_tokens, ext.unavailable_keys(req_id), ext.chained_promotions(req_id)
+        )
 
     def is_sync_load(self, req_id: str) -> bool:
         """Whether the hit of the request's last lookup loads inside the step (``sync_load_budget_bytes``).

@@ -7,6 +7,7 @@ releasing pins and loads). What only one part uses stays in that part.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from kvoffload._generated import OffloadingConfig
@@ -18,7 +19,7 @@ from kvoffload.offload.manager import HostBlockManager
 from kvoffload.offload.scheduler._misses import ChunkMiss
 from kvoffload.offload.scheduler._results import SchedulerStats
 
-__all__ = ["GroupGeometry", "JobState", "RequestState", "SchedulerBook"]
+__all__ = ["GroupGeometry", "JobState", "RequestState", "SchedulerBook", "check_retention_interval"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,7 @@ class GroupGeometry:
     tokens_per_chunk: int
     hashes_per_chunk: int
     window_chunks: int | None  # None: full attention (a prefix is needed), else chunks of the window
+    eagle: bool = False  # an EAGLE/MTP draft group: its trailing chunk is volatile (vLLM 0.33 §5.4, §5.5)
 
 
 @dataclass(slots=True)
@@ -77,8 +79,9 @@ class RequestState:
     sync_load: bool = False  # the last lookup's hit loads inside the step (sync_load_budget_bytes)
 
 
-def group_geometry(config: OffloadingConfig) -> tuple[GroupGeometry, ...]:
-    """The chunk geometry of each offloaded group of ``config``, in config order."""
+def group_geometry(config: OffloadingConfig, eagle_group_ids: Collection[int] = ()) -> tuple[GroupGeometry, ...]:
+    """The chunk geometry of each offloaded group of ``config``, in config order (``eagle_group_ids``: the
+    group ids of EAGLE draft groups)."""
     bpc = config.cache.blocks_per_chunk
     tph = config.cache.tokens_per_hash
     return tuple(
@@ -89,9 +92,66 @@ def group_geometry(config: OffloadingConfig) -> tuple[GroupGeometry, ...]:
             tokens_per_chunk=g.tokens_per_block * bpc,
             hashes_per_chunk=hashes_per_chunk(g.tokens_per_block, bpc, tph),
             window_chunks=g.sliding_window_size_in_chunks,
+            eagle=g.group_id in eagle_group_ids,
         )
         for i, g in enumerate(config.groups)
     )
+
+
+def offloaded_group_ids(name: str, ids: object, config: OffloadingConfig) -> frozenset[int]:
+    """``ids`` checked to be a collection of ids of groups ``config`` offloads; a ConfigError names ``name``."""
+    offloaded = [g.group_id for g in config.groups]
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Collection):
+        raise ConfigError(f"{name} must be a collection of KV cache group ids, got {ids!r}")
+    out: set[int] = set()
+    for gid in ids:
+        if isinstance(gid, bool) or not isinstance(gid, int):
+            raise ConfigError(f"{name} must hold int group ids, got {gid!r}")
+        if gid not in offloaded:
+            raise ConfigError(f"{name}: group {gid} is not an offloaded group (offloaded group ids: {offloaded})")
+        out.add(gid)
+    return frozenset(out)
+
+
+def mamba_alignment(groups: tuple[GroupGeometry, ...], mamba_ids: frozenset[int]) -> int | None:
+    """Tokens a hit end is rounded down to with align-mode Mamba groups (their tokens per chunk), or None.
+
+    vLLM 0.33 (§5.5): ``round_down(max_hit, tokens_per_block * blocks_per_chunk)`` of the align-mode Mamba
+    group; a Mamba group is offloaded as a window of one chunk, and all such groups must agree on the size."""
+    sizes: set[int] = set()
+    for g in groups:
+        if g.group_id not in mamba_ids:
+            continue
+        if g.window_chunks != 1:
+            raise ConfigError(
+                f"mamba_align_group_ids: group {g.group_id} has sliding_window_size_in_chunks={g.window_chunks}, "
+                "but a Mamba group is offloaded as a window of 1 chunk"
+            )
+        sizes.add(g.tokens_per_chunk)
+    if len(sizes) > 1:
+        raise ConfigError(
+            f"mamba_align_group_ids: the align-mode Mamba groups have different tokens per chunk {sorted(sizes)}; "
+            "a hit can be rounded down to one Mamba alignment only"
+        )
+    return sizes.pop() if sizes else None
+
+
+def check_retention_interval(value: object, groups: tuple[GroupGeometry, ...]) -> int | None:
+    """``prefix_cache_retention_interval`` as vLLM 0.33's scheduler checks it (§2.4): None, or an int >= 0 that
+    is a multiple of every window group's (sliding window, chunked local, Mamba) tokens per chunk."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"prefix_cache_retention_interval must be an int or None, got {value!r}")
+    if value < 0:
+        raise ConfigError(f"prefix_cache_retention_interval ({value}) must be non-negative.")
+    for g in groups:
+        if g.window_chunks is not None and value % g.tokens_per_chunk:
+            raise ConfigError(
+                f"prefix_cache_retention_interval ({value}) must be a multiple of tokens_per_chunk "
+                f"({g.tokens_per_chunk})."
+            )
+    return value
 
 
 class SchedulerBook:
@@ -101,14 +161,25 @@ class SchedulerBook:
     loaded into engine blocks, and the counters (one :class:`SchedulerStats`).
     """
 
-    def __init__(self, config: OffloadingConfig, manager: HostBlockManager) -> None:
+    def __init__(
+        self,
+        config: OffloadingConfig,
+        manager: HostBlockManager,
+        *,
+        eagle_group_ids: Collection[int] = (),
+        mamba_align_group_ids: Collection[int] = (),
+    ) -> None:
         if not config.groups:
             raise ConfigError("OffloadingConfig.groups is empty: nothing to offload")
         self.config = config
         self.manager = manager
         self.blocks_per_chunk = config.cache.blocks_per_chunk
         self.world_size = config.parallel.world_size
-        self.groups = group_geometry(config)
+        eagle = offloaded_group_ids("eagle_group_ids", eagle_group_ids, config)
+        self.groups = group_geometry(config, eagle)
+        self.mamba_align = mamba_alignment(
+            self.groups, offloaded_group_ids("mamba_align_group_ids", mamba_align_group_ids, config)
+        )
         # vLLM visits full attention first, then sliding windows from the largest window down.
         self.lookup_order = tuple(
             sorted(self.groups, key=lambda g: (g.window_chunks is not None, -(g.window_chunks or 0)))

@@ -180,9 +180,16 @@ class Transfers:
         ranges: list[tuple[int, int]] = []
         offered: list[OffloadKey] = []
         positions: dict[OffloadKey, tuple[int, int]] = {}
+        # vLLM 0.33's storable chunks (§5.4): while an unfinished request decodes, an EAGLE group's last offloadable
+        # chunk is volatile (a rejected draft rewrites it) and waits for the next one. (vLLM lifts the rule once
+        # the request finished; kvoffload plans no stores for a finished request, see above.)
+        decoding = tokens > req.prompt_len
         for g in self._book.groups:
             ids = req.block_ids[g.index]
-            end = min(tokens // g.tokens_per_chunk, len(ids) // bpc, len(req.keys[g.index]))
+            complete = tokens // g.tokens_per_chunk
+            if g.eagle and decoding:
+                complete = max(0, complete - 1)
+            end = min(complete, len(ids) // bpc, len(req.keys[g.index]))
             start = req.next_stored[g.index]
             ranges.append((start, end))
             for chunk in range(start, end):

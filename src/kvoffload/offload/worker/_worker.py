@@ -50,17 +50,28 @@ class OffloadWorker:
         return frozenset(self._in_flight)
 
     def start_step(self, plan: StepPlan) -> None:
-        """Before the forward pass: finish tier IO after a reset, submit deferred stores, honour flushes, then
-        submit this step's loads."""
+        """Before the forward pass: finish tier IO after a reset, submit deferred stores, honour flushes, start
+        this step's tier jobs, then submit its loads (a load reading chunks this plan promotes waits for that
+        promotion first: chained promotions)."""
         if plan.flush_tiers and self.tiers is not None:
             self.tiers.wait()  # the reset freed the rows stale tier jobs still read or write
         self._submit_deferred()
         if plan.flush:
             self.engine.wait(Int64Array.from_buffer(plan.flush).tolist())
-        for job in plan.load_jobs:
-            self._submit(job, Direction.LOAD)
+        promoted: set[int] = set()
         if self.tiers is not None and plan.tier_jobs:
             self.tiers.submit(plan.tier_jobs)
+            for tier_job in plan.tier_jobs:
+                if tier_job.is_promotion:
+                    promoted.update(Int64Array.from_buffer(tier_job.chunk_ids).tolist())
+        chained: list[TransferJob] = []
+        for job in plan.load_jobs:
+            if promoted and not promoted.isdisjoint(Int64Array.from_buffer(job.chunk_ids).tolist()):
+                chained.append(job)  # it reads chunks a promotion of this plan writes: after the promotion
+            else:
+                self._submit(job, Direction.LOAD)
+        if chained:
+            self._submit_chained(chained)
 
     def wait_for_loads(self, plan: StepPlan, timeout: float | None = None) -> None:
         """Block until this step's loads are done (an engine that needs them before computing calls this)."""
@@ -104,6 +115,17 @@ class OffloadWorker:
         if self.tiers is not None:
             self.tiers.close()
 
+    def _submit_chained(self, jobs: list[TransferJob]) -> None:
+        """Loads that read chunks this plan's promotions write (a scheduler with chained promotions): they start
+        once the promotions are done, or fail without copying when a promotion is not done in time."""
+        tiers = self.tiers
+        if tiers is not None and tiers.wait_for_promotions():
+            for job in jobs:
+                self._submit(job, Direction.LOAD)
+            return
+        for job in jobs:
+            self._fail(job, Direction.LOAD, "a promotion it reads did not finish within promotion_wait_s", 0.0)
+
     def _submit_deferred(self) -> None:
         jobs, self._deferred_stores = self._deferred_stores, []
         for job in jobs:
@@ -114,15 +136,18 @@ class OffloadWorker:
         try:
             self.engine.submit(CopyJob.from_transfer(job, direction))
         except KVOffloadError as exc:
-            self._failed.append(
-                JobResult(
-                    job_id=job.job_id,
-                    success=False,
-                    is_store=direction.is_store,
-                    num_bytes=0,
-                    seconds=time.perf_counter() - started,
-                    error=f"{type(exc).__name__}: {exc}",
-                )
-            )
+            self._fail(job, direction, f"{type(exc).__name__}: {exc}", time.perf_counter() - started)
             return
         self._in_flight.add(job.job_id)
+
+    def _fail(self, job: TransferJob, direction: Direction, error: str, seconds: float) -> None:
+        self._failed.append(
+            JobResult(
+                job_id=job.job_id,
+                success=False,
+                is_store=direction.is_store,
+                num_bytes=0,
+                seconds=seconds,
+                error=error,
+            )
+        )
