@@ -112,6 +112,8 @@ def _child(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, Any]:
         kw["distributed_executor_backend"] = "uni"
     if spec["connector"]:
         extra: dict[str, Any] = {"cpu_bytes_to_use": args.host_mib << 20, "load_mode": args.load_mode}
+        if args.layerwise:
+            extra["layerwise_transfers"] = True
         if spec.get("tiers"):
             extra |= {"spec_name": "TieringOffloadingSpec", "secondary_tiers": spec["tiers"]}
         kw["kv_transfer_config"] = {
@@ -277,6 +279,11 @@ def main() -> None:
     parser.add_argument("--host-mib", type=int, default=2048, help="the connector's host pool (cpu_bytes_to_use)")
     parser.add_argument("--load-mode", choices=["async", "sync"], default="async", help="the connector's load_mode")
     parser.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="layerwise_transfers: the loads a step reads (--load-mode sync) and the stores copied layer by layer",
+    )
+    parser.add_argument(
         "--multiprocess",
         action="store_true",
         help="vLLM's default multi-process engine (engine core in its own process) instead of the in-process one",
@@ -357,7 +364,7 @@ def main() -> None:
         f"vLLM CPU ({engine}), scenario {args.scenario}: {args.conversations * args.concurrency} conversations x "
         f"{args.turns} turns, {args.concurrency} in flight, "
         f"hidden {args.hidden}, {args.layers} layers, engine KV {kv} MiB, host pool {args.host_mib} MiB, "
-        f"{args.load_mode} loads"
+        f"{args.load_mode} loads{', layer-wise transfers' if args.layerwise else ''}"
     )
     Console(width=200).print(_table(title, results, cold, fillers))
 

@@ -296,7 +296,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "table_bytes",
         "table_entries",
     ],
-    "kvoffload.offload.worker": ["OffloadWorker"],
+    "kvoffload.offload.worker": ["LayerwiseCopies", "OffloadWorker"],
     "kvoffload.offload.worker.copy": [
         "CopyBackend",
         "CopyEngine",

@@ -220,12 +220,16 @@ def build_worker(
     checksums: bool = True,
     cpu_threads: int | None = None,
     shared_pool_id: str | None = None,
+    layerwise: bool = False,
+    layerwise_every_load: bool = False,
 ) -> WorkerParts:
     """One rank's worker over its engine KV memory ``kv`` (placed as ``layout`` says).
 
     The host pool follows ``config``'s plan (a shared ``/dev/shm`` pool when ``shared_pool_id`` names one);
-    with a ``tiering`` that lists tiers, the rank's tier IO runs beside its copies. If any part fails to
-    build, the parts already built are released.
+    with a ``tiering`` that lists tiers, the rank's tier IO runs beside its copies. ``layerwise``: the loads a
+    step reads (every load with ``layerwise_every_load``, else those marked ``sync``) and the step's stores are
+    copied layer by layer (:meth:`OffloadWorker.wait_for_layer`, :meth:`OffloadWorker.store_layer`). If any
+    part fails to build, the parts already built are released.
     """
     from kvoffload.offload.pool import HostPool
     from kvoffload.offload.worker import OffloadWorker
@@ -234,6 +238,17 @@ def build_worker(
     pool = HostPool(plan_host_pool_from_config(config), engine_id=shared_pool_id)
     try:
         engine = CopyEngine(kv, layout, pool, cpu_threads=cpu_threads, checksums=checksums)
+        layered = None
+        if layerwise:
+            from kvoffload.offload.worker import LayerwiseCopies
+
+            try:
+                layered = LayerwiseCopies(
+                    layout, kv, pool, checksums=checksums, every_load=layerwise_every_load, cpu_threads=cpu_threads
+                )
+            except BaseException:
+                engine.close()
+                raise
         tiers = None
         if tiering is not None and tiering.secondary_tiers:
             from kvoffload.tiers import TierWorker
@@ -242,8 +257,10 @@ def build_worker(
                 tiers = TierWorker(tiering, config, pool, checksums=checksums)
             except BaseException:
                 engine.close()
+                if layered is not None:
+                    layered.close()
                 raise
-        worker = OffloadWorker(engine, rank=config.parallel.rank, tiers=tiers)
+        worker = OffloadWorker(engine, rank=config.parallel.rank, tiers=tiers, layerwise=layered)
     except BaseException:
         pool.close()
         raise

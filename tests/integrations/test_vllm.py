@@ -30,7 +30,7 @@ def baseline(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     return _run("baseline", tiny_model, tmp_path_factory.mktemp("baseline"))
 
 
-@pytest.fixture(scope="session", params=["async", "sync"])
+@pytest.fixture(scope="session", params=["async", "sync", "layerwise"])
 def connector_run(
     request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[dict[str, Any], Path]:
@@ -41,7 +41,9 @@ def connector_run(
 def test_outputs_match_the_engine_without_the_connector(
     baseline: dict[str, Any], connector_run: tuple[dict[str, Any], Path]
 ) -> None:
-    run, _ = connector_run
+    run, out = connector_run
+    if out.name.startswith("connector-layerwise"):  # loads waited for and stores started layer by layer
+        assert run["layerwise"]["waits"] > 0 and run["layerwise"]["stores"] > 0, run["layerwise"]
     assert run["first_tokens"] == baseline["tokens"]
     assert run["filler_tokens"] == baseline["filler_tokens"]
     # Stores happened: the shared prefix went to host memory.

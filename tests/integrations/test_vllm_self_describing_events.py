@@ -229,6 +229,7 @@ def test_a_real_engine_publishes_self_describing_events(tiny_model: Path, tmp_pa
     for e in stored:
         assert e["block_size"] == tpb and len(e["block_hashes"]) == chunk_tokens // tpb, e
         assert len(e["token_ids"]) == chunk_tokens and e["lora_id"] is None and e["lora_name"] is None
+        assert e["kv_cache_spec_kind"] == "full_attention", e  # the connector knows its groups' kinds
         for i, h in enumerate(e["block_hashes"]):  # each block: vLLM's hash of exactly these tokens
             assert gpu_tokens[h] == e["token_ids"][i * tpb : (i + 1) * tpb]
     # the first prompt's chunks chain: chunk c's parent is chunk c-1's last block hash, its tokens the prompt's

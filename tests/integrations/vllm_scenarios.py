@@ -99,16 +99,20 @@ def baseline(model: str, out: Path) -> dict[str, Any]:
 
 
 def connector(model: str, out: Path, load_mode: str) -> dict[str, Any]:
+    """``load_mode`` async or sync, or ``layerwise``: sync loads and the stores copied layer by layer."""
     import msgspec
     from vllm import LLM
 
     from kvoffload import codecs
     from kvoffload.integrations.vllm import snapshot_from_vllm
 
+    extra: dict[str, Any] = {"load_mode": load_mode, "block_size": 64}
+    if load_mode == "layerwise":
+        extra.update(load_mode="sync", layerwise_transfers=True)
     llm = LLM(
         model=model,
         distributed_executor_backend="uni",
-        kv_transfer_config=connector_config({"load_mode": load_mode, "block_size": 64}),
+        kv_transfer_config=connector_config(extra),
         **ENGINE_KW,
     )
     result: dict[str, Any] = {}
@@ -143,6 +147,9 @@ def connector(model: str, out: Path, load_mode: str) -> dict[str, Any]:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     worker_connector = get_kv_transfer_group()  # the worker half lives in this process (uni executor)
+    layered = worker_connector._worker.worker.layerwise
+    if layered is not None:  # the engine's per-layer hooks reached the copies
+        result["layerwise"] = {"waits": layered.layer_waits, "stores": layered.layer_stores}
     rows = worker_connector._worker.pool.rows
     rows[:, 3] ^= 0x40
     llm.reset_prefix_cache()
@@ -319,7 +326,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     if scenario == "baseline":
         result = baseline(model, out_dir)
-    elif scenario in ("connector-async", "connector-sync"):
+    elif scenario in ("connector-async", "connector-sync", "connector-layerwise"):
         result = connector(model, out_dir, scenario.split("-")[1])
     elif scenario == "multiprocess":
         result = multiprocess(model, out_dir)

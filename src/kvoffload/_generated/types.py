@@ -14,7 +14,7 @@ from kvoffload._packed import Int32Bytes, Int64Bytes
 
 SCHEMA_NAME: Final = "kvoffload"
 SCHEMA_VERSION: Final = "1.6"
-SCHEMA_FINGERPRINT: Final = "c2a4330de2a45249"
+SCHEMA_FINGERPRINT: Final = "787e543c8ead1a9b"
 
 
 class DType(enum.StrEnum):
@@ -1243,6 +1243,14 @@ class VLLMConnectorConfig(
     its block hashes (at tokens_per_block granularity), parent hash, token ids and block size, and
     its removal with the same hashes; other groups keep placeholder events (the chunk's key hash
     only). (since 1.6)
+    """
+
+    layerwise_transfers: bool = False
+    """Per-layer transfers (vLLM connector): the loads a step reads (load_mode sync, or hits under
+    sync_load_budget_bytes) copy layer by layer, each layer waited for only when the forward pass
+    reaches it (wait_for_layer_load), and the step's stores copy each layer as soon as its attention
+    wrote it (save_kv_layer); checksums are verified and sealed per chunk before the step reports.
+    (since 1.6)
     """
 
 

@@ -149,6 +149,7 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
                 checksums=options.checksums,
                 tiering=tiering,
                 shared_pool_id=_replicated_pool_id(self.offloading_config),
+                layerwise=options.layerwise_transfers,
             )
 
     @property
@@ -241,12 +242,14 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
         work.wait_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        """With ``layerwise_transfers``: wait only for this layer of the step's loads (the others keep copying)."""
+        self._work().wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: object
     ) -> None:
-        return None
+        """With ``layerwise_transfers``: this layer's part of the step's stores starts now."""
+        self._work().save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         self._work().end()

@@ -41,6 +41,7 @@ class _WorkerHalf:
     tiering: TieringConfig | None = None
     shared_pool_id: str | None = None
     on_cpu: bool = True
+    layerwise: bool = False
     worker: OffloadWorker | None = None
     parts: WorkerParts | None = None
     plan: StepPlan | None = None
@@ -73,6 +74,8 @@ class _WorkerHalf:
             tiering=self.tiering,
             checksums=self.checksums,
             shared_pool_id=self.shared_pool_id,
+            layerwise=self.layerwise,
+            layerwise_every_load=self.sync_loads,
         )
         self.worker = self.parts.worker
 
@@ -108,14 +111,24 @@ class _WorkerHalf:
     def wait_loads(self) -> None:
         """Before the forward pass: wait for the loads it reads (every load with load_mode='sync', else the jobs
         the scheduler made synchronous under sync_load_budget_bytes)."""
-        if self.plan is None or not self.plan.load_jobs:
-            return
+        if self.plan is None or not self.plan.load_jobs or self.layerwise:
+            return  # layer-wise: each layer is waited for when the forward pass reaches it (wait_layer)
         if self.sync_loads:
             self._worker().wait_for_loads(self.plan)
             return
         in_step = [job.job_id for job in self.plan.load_jobs if job.sync]
         if in_step:
             self._worker().engine.wait(in_step)
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Layer-wise loads: the forward pass is about to read layer ``layer_name``."""
+        if self.layerwise and self.worker is not None:
+            self.worker.wait_for_layer(layer_name)
+
+    def save_layer(self, layer_name: str) -> None:
+        """Layer-wise stores: layer ``layer_name`` of this step's KV is written."""
+        if self.layerwise and self.worker is not None:
+            self.worker.store_layer(layer_name)
 
     def end(self) -> None:
         if self.plan is not None:
@@ -129,7 +142,7 @@ class _WorkerHalf:
         # them here bounds a transfer to one engine step. Left to finish later, a CPU copy thread competes for
         # the GIL with vLLM's busy engine loop and a load takes hundreds of steps (measured: no TTFT gain at all).
         if self.on_cpu:
-            self.worker.engine.wait(self.worker.in_flight)
+            self.worker.wait_in_flight()
             self.worker.wait_for_promotions()
         elif self.plan.load_jobs:
             self.worker.wait_for_loads(self.plan)

@@ -18,6 +18,7 @@ from kvoffload.offload._direction import Direction
 from kvoffload.offload.worker.copy import CopyEngine, CopyJob
 
 if TYPE_CHECKING:
+    from kvoffload.offload.worker._layerwise import LayerwiseCopies
     from kvoffload.tiers import TierWorker
 
 __all__ = ["OffloadWorker"]
@@ -32,10 +33,19 @@ class OffloadWorker:
     count them.
     """
 
-    def __init__(self, engine: CopyEngine, *, rank: int, tiers: TierWorker | None = None) -> None:
+    def __init__(
+        self,
+        engine: CopyEngine,
+        *,
+        rank: int,
+        tiers: TierWorker | None = None,
+        layerwise: LayerwiseCopies | None = None,
+    ) -> None:
         self.engine = engine
         self.rank = rank
         self.tiers = tiers  # secondary tiers: runs the plans' tier jobs (cascades, promotions)
+        self.layerwise = layerwise  # per-layer copies of the loads a step reads and of its stores
+        self._step_stores: tuple[TransferJob, ...] = ()
         self._deferred_stores: list[TransferJob] = []
         self._in_flight: set[int] = set()
         self._failed: list[JobResult] = []
@@ -46,8 +56,10 @@ class OffloadWorker:
 
     @property
     def in_flight(self) -> frozenset[int]:
-        """Jobs submitted to the copy engine and not yet reported."""
-        return frozenset(self._in_flight)
+        """Jobs submitted to the copy engine (or copied layer by layer) and not yet reported."""
+        if self.layerwise is None:
+            return frozenset(self._in_flight)
+        return frozenset(self._in_flight) | self.layerwise.in_flight
 
     def start_step(self, plan: StepPlan) -> None:
         """Before the forward pass: finish tier IO after a reset, submit deferred stores, honour flushes, start
@@ -57,7 +69,10 @@ class OffloadWorker:
             self.tiers.wait()  # the reset freed the rows stale tier jobs still read or write
         self._submit_deferred()
         if plan.flush:
-            self.engine.wait(Int64Array.from_buffer(plan.flush).tolist())
+            flush = Int64Array.from_buffer(plan.flush).tolist()
+            self.engine.wait(flush)
+            if self.layerwise is not None:
+                self.layerwise.wait(flush)
         promoted: set[int] = set()
         if self.tiers is not None and plan.tier_jobs:
             self.tiers.submit(plan.tier_jobs)
@@ -65,17 +80,46 @@ class OffloadWorker:
                 if tier_job.is_promotion:
                     promoted.update(Int64Array.from_buffer(tier_job.chunk_ids).tolist())
         chained: list[TransferJob] = []
+        layered: list[TransferJob] = []
+        layerwise = self.layerwise
         for job in plan.load_jobs:
             if promoted and not promoted.isdisjoint(Int64Array.from_buffer(job.chunk_ids).tolist()):
                 chained.append(job)  # it reads chunks a promotion of this plan writes: after the promotion
+            elif layerwise is not None and layerwise.takes(job):
+                layered.append(job)
             else:
                 self._submit(job, Direction.LOAD)
         if chained:
             self._submit_chained(chained)
+        if layered and layerwise is not None:
+            layerwise.start_loads(layered)
+        self._step_stores = plan.store_jobs if layerwise is not None else ()
 
     def wait_for_loads(self, plan: StepPlan, timeout: float | None = None) -> None:
         """Block until this step's loads are done (an engine that needs them before computing calls this)."""
-        self.engine.wait((j.job_id for j in plan.load_jobs), timeout)
+        layerwise = self.layerwise
+        if layerwise is None:
+            self.engine.wait((j.job_id for j in plan.load_jobs), timeout)
+            return
+        copied = layerwise.in_flight
+        self.engine.wait((j.job_id for j in plan.load_jobs if j.job_id not in copied), timeout)
+        layerwise.wait((j.job_id for j in plan.load_jobs if j.job_id in copied), timeout)
+
+    def wait_in_flight(self, timeout: float | None = None) -> None:
+        """Block until every copy in flight is done (layer-wise ones included); results stay for :meth:`report`."""
+        self.engine.wait(set(self._in_flight), timeout)
+        if self.layerwise is not None:
+            self.layerwise.wait(None, timeout)
+
+    def wait_for_layer(self, layer_name: str, timeout: float | None = None) -> None:
+        """Block until layer ``layer_name`` of this step's layer-wise loads is copied (its forward reads it)."""
+        if self.layerwise is not None:
+            self.layerwise.wait_layer(layer_name, timeout)
+
+    def store_layer(self, layer_name: str) -> None:
+        """Layer ``layer_name`` of this step's KV is written: with layer-wise copies, its stores start now."""
+        if self.layerwise is not None and self._step_stores:
+            self.layerwise.store_layer(layer_name, self._step_stores)
 
     def wait_for_promotions(self, timeout: float | None = None) -> bool:
         """Wait (at most ``timeout``, default the tiers' ``promotion_wait_s``) for the promotions this step started,
@@ -84,7 +128,12 @@ class OffloadWorker:
         return True if self.tiers is None else self.tiers.wait_for_promotions(timeout)
 
     def end_step(self, plan: StepPlan) -> None:
-        """After the forward pass: queue this step's stores; they start at the beginning of the next step."""
+        """After the forward pass: queue this step's stores; they start at the beginning of the next step (with
+        layer-wise copies they started layer by layer: the layers not started yet start now)."""
+        if self.layerwise is not None:
+            self.layerwise.finish_stores(plan.store_jobs)
+            self._step_stores = ()
+            return
         self._deferred_stores.extend(plan.store_jobs)
 
     def report(self, step: int) -> WorkerReport:
@@ -94,6 +143,13 @@ class OffloadWorker:
             if r.corrupt_chunk_ids:
                 self.corrupt_loads += 1
                 self.corrupted_chunks += len(r.corrupt_chunk_ids) // 8
+        if self.layerwise is not None:
+            copied = self.layerwise.poll()
+            for r in copied:
+                if r.corrupt_chunk_ids:
+                    self.corrupt_loads += 1
+                    self.corrupted_chunks += len(r.corrupt_chunk_ids) // 8
+            results.extend(copied)
         results.extend(self._failed)
         self._failed = []
         for r in results:
@@ -104,14 +160,16 @@ class OffloadWorker:
     def drain(self, step: int, timeout: float | None = None) -> WorkerReport:
         """Submit what is deferred, wait for everything in flight, and report it (used at shutdown)."""
         self._submit_deferred()
-        self.engine.wait(set(self._in_flight), timeout)
+        self.wait_in_flight(timeout)
         if self.tiers is not None:
             self.tiers.wait(timeout)
         return self.report(step)
 
     def close(self) -> None:
-        """Stop the copy engine (in-flight copies finish first) and the tiers."""
+        """Stop the copy engines (in-flight copies finish first) and the tiers."""
         self.engine.close()
+        if self.layerwise is not None:
+            self.layerwise.close()
         if self.tiers is not None:
             self.tiers.close()
 

@@ -1,0 +1,300 @@
+"""Layer-wise transfers: the loads a step's forward pass reads, and the step's stores, copied one layer at a time.
+
+An engine with per-layer hooks (vLLM's ``wait_for_layer_load`` / ``save_kv_layer``) can start computing layer
+``i`` while layer ``i+1`` still loads, and store layer ``i`` as soon as its attention wrote it. Each job of the
+plan is split into one sub-job per offloaded layer, copied by a second :class:`CopyEngine` whose layout holds
+one layer per group (same host pool, same engine memory). The sub-jobs check each sub-block's key tag and
+state; the content checksums cover a whole chunk (every layer), so they are verified (loads, on a thread beside
+the copies) or sealed (stores, once every layer landed) over the host bytes before the job reports. A load
+whose checksum fails is reported failed like any corrupt load: the engine recomputes it and drops what the
+step computed from it (vLLM discards the step's output of a request whose load failed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from kvoffload._generated import JobResult, TransferJob
+from kvoffload._ints import cdiv
+from kvoffload._packed import Int32Array, Int64Array, pack_int64
+from kvoffload._placement import CopySegment, GroupLayout, LayerPlacement, TransferLayout
+from kvoffload.errors import ConfigError, KVOffloadError
+from kvoffload.offload._direction import Direction
+from kvoffload.offload.pool import BlockSlots, HostPool
+from kvoffload.offload.worker.copy import CopyEngine, CopyJob, build_block_slots
+
+__all__ = ["LayerwiseCopies"]
+
+
+@dataclass(frozen=True)
+class _GroupPart:
+    """One group's share of a job: its block count and first block index, its engine blocks, chunks, tags."""
+
+    size: int
+    start: int
+    blocks: torch.Tensor
+    chunks: torch.Tensor
+    tags: torch.Tensor | None
+
+
+@dataclass
+class _Whole:
+    """One plan job split into per-layer sub-jobs, until every sub-job (and its checksum pass) is done."""
+
+    job: TransferJob
+    direction: Direction
+    started: float
+    slots: BlockSlots | None
+    parts: list[_GroupPart]
+    pending: set[int] = field(default_factory=set)  # sub-job ids in flight
+    issued: set[int] = field(default_factory=set)  # layer indices submitted
+    num_bytes: int = 0
+    errors: list[str] = field(default_factory=list)
+    corrupt: set[int] = field(default_factory=set)
+    verify: Future[list[int]] | None = None
+
+
+class LayerwiseCopies:
+    """Per-layer loads and stores over ``pool`` (module docstring); ``every_load``: all loads are read by the
+    step that plans them (``load_mode='sync'``), else only those marked ``sync``."""
+
+    def __init__(
+        self,
+        layout: TransferLayout,
+        kv_memory: torch.Tensor,
+        pool: HostPool,
+        *,
+        checksums: bool = True,
+        every_load: bool = False,
+        cpu_threads: int | None = None,
+    ) -> None:
+        self._layout = layout
+        self._order: list[tuple[int, LayerPlacement]] = [
+            (g, layer) for g, group in enumerate(layout.groups) for layer in group.layers
+        ]
+        per_layer = TransferLayout(
+            groups=tuple(
+                GroupLayout(
+                    layers=(layer,),
+                    segments=(
+                        CopySegment(layer.engine_offset, layer.block_stride, layer.page_bytes, layer.host_offset),
+                    ),
+                    bytes_per_block=layer.page_bytes,
+                )
+                for _, layer in self._order
+            ),
+            num_blocks=layout.num_blocks,
+            worker_kv_bytes_per_block=layout.worker_kv_bytes_per_block,
+            engine_bytes=layout.engine_bytes,
+        )
+        # Tags and states are checked per sub-job; checksums span every layer of a chunk (checked below).
+        self._engine = CopyEngine(kv_memory, per_layer, pool, cpu_threads=cpu_threads, checksums=False)
+        self._index = {layer.name: i for i, (_, layer) in enumerate(self._order)}
+        self._pool = pool
+        self._host = memoryview(pool.rows.reshape(-1).numpy())  # type: ignore[arg-type]  # numpy is a buffer
+        self._checksums = checksums
+        self.every_load = every_load
+        self._bpc = pool.plan.blocks_per_chunk
+        self._whole: dict[int, _Whole] = {}
+        self._parent: dict[int, tuple[int, int]] = {}  # sub-job id -> (plan job id, layer index)
+        self._next_sub = 0
+        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-layerwise-verify")
+        self._done: list[JobResult] = []
+        self.layer_waits = 0
+        """``wait_layer`` calls that had a layer of a load to wait for (the engine's per-layer hook was used)."""
+        self.layer_stores = 0
+        """Per-layer store sub-jobs started from ``store_layer`` (not left to ``finish_stores``)."""
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The offloaded layers, in the order their sub-jobs are submitted (group, then the group's order)."""
+        return [layer.name for _, layer in self._order]
+
+    def takes(self, job: TransferJob) -> bool:
+        """Whether a load is copied layer by layer (the step's forward pass reads it)."""
+        return self.every_load or job.sync
+
+    @property
+    def in_flight(self) -> frozenset[int]:
+        """Plan jobs not reported yet."""
+        return frozenset(self._whole)
+
+    # ---------------------------------------------------------------------------------------- submitting
+
+    def start_loads(self, jobs: Sequence[TransferJob]) -> None:
+        """Submit every layer of the loads, layer by layer across the jobs (layer 0 of all first), and start
+        verifying their checksums beside the copies."""
+        for job in jobs:
+            whole = self._open(job, Direction.LOAD)
+            if whole.slots is not None and self._checksums:
+                whole.verify = self._verifier.submit(self._verify, whole.slots)
+        for i in range(len(self._order)):
+            for job in jobs:
+                self._submit_layer(self._whole[job.job_id], i)
+
+    def store_layer(self, layer_name: str, jobs: Sequence[TransferJob]) -> None:
+        """Layer ``layer_name`` of this step's stores is final in engine memory: copy it now."""
+        i = self._index.get(layer_name)
+        if i is None:
+            return  # a layer kvoffload does not offload
+        for job in jobs:
+            whole = self._whole.get(job.job_id) or self._open(job, Direction.STORE)
+            if i not in whole.issued:
+                self._submit_layer(whole, i)
+                self.layer_stores += 1
+
+    def finish_stores(self, jobs: Sequence[TransferJob]) -> None:
+        """After the forward pass: copy the layers of the stores that no ``store_layer`` call covered."""
+        for job in jobs:
+            whole = self._whole.get(job.job_id) or self._open(job, Direction.STORE)
+            for i in range(len(self._order)):
+                if i not in whole.issued:
+                    self._submit_layer(whole, i)
+
+    def _open(self, job: TransferJob, direction: Direction) -> _Whole:
+        if job.job_id in self._whole:
+            raise ConfigError(f"job_id={job.job_id} is already being copied layer by layer")
+        slots = build_block_slots(
+            self._layout,
+            self._pool.integrity,
+            group_sizes=Int32Array.from_buffer(job.group_sizes).tolist(),
+            block_indices=Int32Array.from_buffer(job.block_indices).tolist(),
+            chunk_ids=Int64Array.from_buffer(job.chunk_ids).to_tensor(),
+            chunk_tags=Int64Array.from_buffer(job.chunk_tags).to_tensor() if job.chunk_tags else None,
+            blocks_per_chunk=self._bpc,
+            host_row_bytes=self._pool.row_bytes,
+            host_slot_offset=self._pool.slot_offset,
+        )
+        writes = self._pool.writes or direction is Direction.LOAD  # a shared pool's other ranks store nothing
+        whole = _Whole(job, direction, time.perf_counter(), slots if writes else None, self._split(job))
+        self._whole[job.job_id] = whole
+        return whole
+
+    def _split(self, job: TransferJob) -> list[_GroupPart]:
+        """The job's blocks, chunks and tags per group (chunk ids are consumed group after group)."""
+        sizes = Int32Array.from_buffer(job.group_sizes).tolist()
+        starts = Int32Array.from_buffer(job.block_indices).tolist()
+        if len(sizes) != len(self._layout.groups) or len(starts) != len(sizes):
+            raise ConfigError(
+                f"job {job.job_id}: group_sizes has {len(sizes)} and block_indices {len(starts)} entries; the "
+                f"layout has {len(self._layout.groups)} groups"
+            )
+        blocks = Int64Array.from_buffer(job.block_ids).to_tensor()
+        chunks = Int64Array.from_buffer(job.chunk_ids).to_tensor()
+        tags = Int64Array.from_buffer(job.chunk_tags).to_tensor() if job.chunk_tags else None
+        parts: list[_GroupPart] = []
+        block_at = chunk_at = 0
+        for n, start in zip(sizes, starts, strict=True):
+            count = cdiv(n + start % self._bpc, self._bpc) if n else 0
+            parts.append(
+                _GroupPart(
+                    n,
+                    start,
+                    blocks[block_at : block_at + n],
+                    chunks[chunk_at : chunk_at + count],
+                    None if tags is None else tags[chunk_at : chunk_at + count],
+                )
+            )
+            block_at += n
+            chunk_at += count
+        return parts
+
+    def _submit_layer(self, whole: _Whole, i: int) -> None:
+        part = whole.parts[self._order[i][0]]
+        layer_sizes = [0] * len(self._order)
+        layer_starts = [0] * len(self._order)
+        layer_sizes[i], layer_starts[i] = part.size, part.start
+        sub = self._next_sub
+        self._next_sub += 1
+        whole.issued.add(i)
+        try:
+            self._engine.submit(
+                CopyJob(sub, whole.direction, layer_sizes, layer_starts, part.blocks, part.chunks, part.tags)
+            )
+        except KVOffloadError as exc:  # bad ids in a plan: this job fails, the worker goes on
+            whole.errors.append(f"{type(exc).__name__}: {exc}")
+            return
+        whole.pending.add(sub)
+        self._parent[sub] = (whole.job.job_id, i)
+
+    def _verify(self, slots: BlockSlots) -> list[int]:
+        return self._pool.integrity.verify(slots, self._host, checksums=True)
+
+    # ---------------------------------------------------------------------------------------- waiting
+
+    def wait_layer(self, layer_name: str, timeout: float | None = None) -> None:
+        """Block until every load's sub-job of layer ``layer_name`` is copied (a layer it does not know: at once)."""
+        i = self._index.get(layer_name)
+        if i is None:
+            return
+        subs = [
+            s
+            for s, (job_id, layer) in self._parent.items()
+            if layer == i and self._whole[job_id].direction is Direction.LOAD
+        ]
+        if subs:
+            self.layer_waits += 1
+            self._engine.wait(subs, timeout)
+
+    def wait(self, job_ids: Iterable[int] | None = None, timeout: float | None = None) -> None:
+        """Block until the named plan jobs (default: all in flight) have every sub-job done."""
+        wanted = set(self._whole) if job_ids is None else set(job_ids) & set(self._whole)
+        subs = [s for s, (job_id, _) in self._parent.items() if job_id in wanted]
+        if subs:
+            self._engine.wait(subs, timeout)
+        for job_id in wanted:
+            verify = self._whole[job_id].verify
+            if verify is not None:
+                verify.result(timeout)
+
+    def poll(self) -> list[JobResult]:
+        """Plan jobs whose every layer is done (and whose checksums were verified or sealed)."""
+        for result in self._engine.poll():
+            job_id, _ = self._parent.pop(result.job_id)
+            whole = self._whole[job_id]
+            whole.pending.discard(result.job_id)
+            whole.num_bytes += result.num_bytes
+            if not result.success:
+                whole.errors.append(result.error)
+                whole.corrupt.update(Int64Array.from_buffer(result.corrupt_chunk_ids).tolist())
+        for job_id, whole in list(self._whole.items()):
+            if whole.pending or len(whole.issued) < len(self._order):
+                continue
+            if whole.verify is not None and not whole.verify.done():
+                continue
+            del self._whole[job_id]
+            self._done.append(self._finish(whole))
+        out, self._done = self._done, []
+        return out
+
+    def _finish(self, whole: _Whole) -> JobResult:
+        if whole.verify is not None:
+            bad = whole.verify.result()
+            if bad:
+                whole.corrupt.update(bad)
+                whole.errors.append(f"integrity: host chunks {sorted(set(bad))} failed their checksum")
+        elif whole.direction.is_store and whole.slots is not None:
+            if whole.errors:  # some layers landed: the chunk must not read as tagged
+                self._pool.integrity.invalidate(whole.slots)
+            else:
+                self._pool.integrity.seal(whole.slots, self._host, checksums=self._checksums)
+        ok = not whole.errors
+        return JobResult(
+            job_id=whole.job.job_id,
+            success=ok,
+            is_store=whole.direction.is_store,
+            num_bytes=whole.num_bytes if ok else 0,
+            seconds=time.perf_counter() - whole.started,
+            error="; ".join(dict.fromkeys(whole.errors)),
+            corrupt_chunk_ids=pack_int64(sorted(whole.corrupt)),
+        )
+
+    def close(self) -> None:
+        """Stop the copies (in-flight ones finish first) and the checksum thread."""
+        self._engine.close()
+        self._verifier.shutdown(wait=True)

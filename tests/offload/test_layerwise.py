@@ -1,0 +1,179 @@
+"""Layer-wise copies (``LayerwiseCopies`` inside ``OffloadWorker``): per-layer stores and loads, byte exact, with the
+same integrity as whole-job copies (a chunk sealed layer by layer verifies in a whole-job load and the other way
+round; a corrupted byte or a wrong key tag fails the load and names the chunk)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvoffload import JobResult, StepPlan, TransferJob
+from kvoffload._packed import Int64Array, pack_int32, pack_int64
+from kvoffload.offload.keys import key_tag, make_offload_key
+from kvoffload.offload.pool import HostPool, plan_host_pool
+from kvoffload.offload.worker import LayerwiseCopies, OffloadWorker
+from kvoffload.offload.worker.copy import CopyEngine, build_transfer_layout
+from tests.helpers import Placement
+
+PAGE = 256
+BLOCKS = 8
+LAYERS = ("l0", "l1", "l2", "l3")
+BPC = 2
+
+
+class _Rank:
+    """One rank: engine KV memory of 4 layers, a host pool, a worker with layer-wise copies."""
+
+    def __init__(self, *, checksums: bool = True, every_load: bool = False) -> None:
+        self.layout = build_transfer_layout(
+            [Placement(size=len(LAYERS) * BLOCKS * PAGE, layers=LAYERS, layer_stride=BLOCKS * PAGE, block_stride=PAGE)],
+            [[(name, PAGE) for name in LAYERS]],
+            num_blocks=BLOCKS,
+            worker_kv_bytes_per_block=len(LAYERS) * PAGE,
+        )
+        plan = plan_host_pool(
+            worker_kv_bytes_per_block=len(LAYERS) * PAGE,
+            world_size=1,
+            blocks_per_chunk=BPC,
+            cpu_bytes_to_use=8 * 4096 * BPC,
+            replicated=False,
+            rank=0,
+        )
+        self.memory = torch.randint(0, 256, (len(LAYERS) * BLOCKS * PAGE,), dtype=torch.uint8)
+        self.pool = HostPool(plan, check_memory=False)
+        engine = CopyEngine(self.memory, self.layout, self.pool, checksums=checksums)
+        layered = LayerwiseCopies(self.layout, self.memory, self.pool, checksums=checksums, every_load=every_load)
+        self.worker = OffloadWorker(engine, rank=0, layerwise=layered)
+        self.step = 0
+
+    def page(self, layer: int, block: int) -> torch.Tensor:
+        return self.memory[layer * BLOCKS * PAGE + block * PAGE :][:PAGE].clone()
+
+    def run(
+        self, *, loads: tuple[TransferJob, ...] = (), stores: tuple[TransferJob, ...] = (), layers_saved: int = 0
+    ) -> tuple[JobResult, ...]:
+        """One step as vLLM runs it: start, the forward pass saving ``layers_saved`` layers, end, then the report."""
+        self.step += 1
+        plan = StepPlan(step=self.step, load_jobs=loads, store_jobs=stores)
+        self.worker.start_step(plan)
+        for name in LAYERS[:layers_saved]:
+            self.worker.wait_for_layer(name, 10)
+            self.worker.store_layer(name)
+        self.worker.end_step(plan)
+        self.worker.wait_in_flight(10)
+        return self.worker.report(self.step).results
+
+    def close(self) -> None:
+        self.worker.close()
+        self.pool.close()
+
+
+@pytest.fixture
+def rank() -> Iterator[_Rank]:
+    r = _Rank()
+    yield r
+    r.close()
+
+
+def _job(job_id: int, blocks: list[int], chunks: list[int], *, sync: bool = True, tag_of: int = 0) -> TransferJob:
+    tags = [key_tag(make_offload_key(bytes([c + tag_of]) * 32, 0)) for c in chunks]
+    return TransferJob(
+        job_id=job_id,
+        req_id="r",
+        group_sizes=pack_int32([len(blocks)]),
+        block_indices=pack_int32([0]),
+        block_ids=pack_int64(blocks),
+        chunk_ids=pack_int64(chunks),
+        sync=sync,
+        chunk_tags=pack_int64(tags),
+    )
+
+
+def test_stores_issued_layer_by_layer_load_back_byte_exact_layer_by_layer(rank: _Rank) -> None:
+    before = [[rank.page(layer, b) for b in range(4)] for layer in range(len(LAYERS))]
+    results = rank.run(stores=(_job(1, [0, 1, 2, 3], [0, 1]),), layers_saved=2)  # l2, l3 left to end_step
+    assert [(r.job_id, r.success, r.is_store, r.num_bytes) for r in results] == [(1, True, True, 4 * 4 * PAGE)]
+    rank.memory.zero_()
+    rank.step += 1
+    plan = StepPlan(step=rank.step, load_jobs=(_job(2, [4, 5, 6, 7], [0, 1]),), store_jobs=())
+    rank.worker.start_step(plan)
+    rank.worker.wait_for_layer("l0", 10)
+    assert all(torch.equal(rank.page(0, 4 + b), before[0][b]) for b in range(4)), "layer 0 is there once waited for"
+    rank.worker.end_step(plan)
+    rank.worker.wait_in_flight(10)
+    (result,) = rank.worker.report(rank.step).results
+    assert (result.job_id, result.success, result.is_store, result.num_bytes) == (2, True, False, 4 * 4 * PAGE)
+    for layer in range(len(LAYERS)):
+        assert all(torch.equal(rank.page(layer, 4 + b), before[layer][b]) for b in range(4))
+
+
+def test_layer_wise_and_whole_job_copies_seal_and_verify_the_same_checksums(rank: _Rank) -> None:
+    """A chunk stored layer by layer loads as one job (checksum verified in the copy kernel), and a chunk stored as
+    one job loads layer by layer (verified over the host bytes)."""
+    expected = [rank.page(layer, 0) for layer in range(len(LAYERS))]
+    assert rank.run(stores=(_job(1, [0, 1], [0]),), layers_saved=4)[0].success
+    assert rank.run(loads=(_job(2, [6, 7], [0], sync=False),))[0].success, "a whole-job load (not sync)"
+    assert all(torch.equal(rank.page(layer, 6), expected[layer]) for layer in range(len(LAYERS)))
+    rank.worker.engine.submit_store(
+        3,
+        group_sizes=[2],
+        block_indices=[0],
+        block_ids=[2, 3],
+        chunk_ids=[1],
+        chunk_tags=Int64Array.from_buffer(_job(0, [0, 0], [1]).chunk_tags).to_tensor(),
+    )
+    rank.worker.engine.wait([3], 10)
+    assert rank.worker.report(rank.step).results[0].success
+    assert rank.run(loads=(_job(4, [4, 5], [1]),))[0].success, "a layer-wise load of a whole-job store"
+
+
+def test_a_corrupted_byte_in_any_layer_fails_the_load_and_names_the_chunk(rank: _Rank) -> None:
+    assert rank.run(stores=(_job(1, [0, 1, 2, 3], [0, 1]),), layers_saved=4)[0].success
+    row = rank.pool.rows[1].view(-1)
+    row[rank.pool.slot_offset + 3 * PAGE + 17] ^= 0xFF  # chunk 1, sub-block 0, layer 3
+    (result,) = rank.run(loads=(_job(2, [4, 5, 6, 7], [0, 1]),))
+    assert not result.success and "checksum" in result.error
+    assert Int64Array.from_buffer(result.corrupt_chunk_ids).tolist() == [1]
+    assert rank.worker.corrupt_loads == 1
+
+
+def test_a_wrong_key_tag_fails_the_load(rank: _Rank) -> None:
+    assert rank.run(stores=(_job(1, [0, 1], [0]),), layers_saved=4)[0].success
+    (result,) = rank.run(loads=(_job(2, [4, 5], [0], tag_of=9),))
+    assert not result.success and Int64Array.from_buffer(result.corrupt_chunk_ids).tolist() == [0]
+
+
+def test_a_store_that_fails_in_one_layer_leaves_the_chunk_unreadable(rank: _Rank) -> None:
+    assert rank.run(stores=(_job(1, [0, 1], [0]),), layers_saved=4)[0].success
+    bad = _job(2, [0, 99], [0])  # block 99 is outside the engine's 8 blocks
+    (result,) = rank.run(stores=(bad,), layers_saved=1)
+    assert not result.success and "block_ids" in result.error
+    (load,) = rank.run(loads=(_job(3, [4, 5], [0]),))
+    assert not load.success, "the earlier good contents were invalidated, never served as if rewritten"
+
+
+def test_loads_not_read_in_the_step_are_whole_jobs_and_unknown_layers_are_ignored(rank: _Rank) -> None:
+    assert rank.run(stores=(_job(1, [0, 1], [0]),), layers_saved=4)[0].success
+    rank.step += 1
+    plan = StepPlan(step=rank.step, load_jobs=(_job(2, [4, 5], [0], sync=False),), store_jobs=())
+    rank.worker.start_step(plan)
+    assert rank.worker.layerwise is not None and not rank.worker.layerwise.in_flight
+    rank.worker.wait_for_layer("not-offloaded", 10)
+    rank.worker.store_layer("not-offloaded")
+    rank.worker.end_step(plan)
+    rank.worker.wait_in_flight(10)
+    assert rank.worker.report(rank.step).results[0].success
+
+
+def test_every_load_mode_and_checksums_off() -> None:
+    r = _Rank(checksums=False, every_load=True)
+    try:
+        assert r.run(stores=(_job(1, [0, 1], [0]),), layers_saved=4)[0].success
+        assert r.worker.layerwise is not None and r.worker.layerwise.takes(_job(2, [4, 5], [0], sync=False))
+        assert r.run(loads=(_job(2, [4, 5], [0], sync=False),))[0].success
+        (wrong,) = r.run(loads=(_job(3, [4, 5], [0], tag_of=9),))
+        assert not wrong.success, "key tags are still checked with checksums off"
+    finally:
+        r.close()
