@@ -222,14 +222,17 @@ def build_worker(
     shared_pool_id: str | None = None,
     layerwise: bool = False,
     layerwise_every_load: bool = False,
+    layerwise_hooked_groups: Collection[int] | None = None,
 ) -> WorkerParts:
     """One rank's worker over its engine KV memory ``kv`` (placed as ``layout`` says).
 
     The host pool follows ``config``'s plan (a shared ``/dev/shm`` pool when ``shared_pool_id`` names one);
     with a ``tiering`` that lists tiers, the rank's tier IO runs beside its copies. ``layerwise``: the loads a
     step reads (every load with ``layerwise_every_load``, else those marked ``sync``) and the step's stores are
-    copied layer by layer (:meth:`OffloadWorker.wait_for_layer`, :meth:`OffloadWorker.store_layer`). If any
-    part fails to build, the parts already built are released.
+    copied layer by layer (:meth:`OffloadWorker.wait_for_layer`, :meth:`OffloadWorker.store_layer`);
+    ``layerwise_hooked_groups``: the offloaded groups (config order) whose layers the engine calls those hooks for
+    (default all; the others are waited for before the forward pass). If any part fails to build, the parts
+    already built are released.
     """
     from kvoffload.offload.pool import HostPool
     from kvoffload.offload.worker import OffloadWorker
@@ -244,7 +247,13 @@ def build_worker(
 
             try:
                 layered = LayerwiseCopies(
-                    layout, kv, pool, checksums=checksums, every_load=layerwise_every_load, cpu_threads=cpu_threads
+                    layout,
+                    kv,
+                    pool,
+                    checksums=checksums,
+                    every_load=layerwise_every_load,
+                    hooked_groups=layerwise_hooked_groups,
+                    cpu_threads=cpu_threads,
                 )
             except BaseException:
                 engine.close()

@@ -137,6 +137,14 @@ def test_misspelled_extra_config_key_fails_engine_start(tiny_model: Path, tmp_pa
     assert "cpu_byte_to_use" in run["error"]
 
 
+def test_layerwise_transfers_ask_vllm_for_piecewise_cuda_graphs() -> None:
+    """Per-layer hooks do not run inside a full CUDA graph replay: vLLM must keep them (PIECEWISE)."""
+    from kvoffload.integrations.vllm import KVOffloadConnector
+
+    assert KVOffloadConnector.requires_piecewise_for_cudagraph({"layerwise_transfers": True}) is True
+    assert KVOffloadConnector.requires_piecewise_for_cudagraph({"cpu_bytes_to_use": 1 << 20}) is False
+
+
 def test_parse_connector_config_is_strict() -> None:
     from kvoffload.integrations.vllm import parse_connector_config
 

@@ -26,7 +26,7 @@ BPC = 2
 class _Rank:
     """One rank: engine KV memory of 4 layers, a host pool, a worker with layer-wise copies."""
 
-    def __init__(self, *, checksums: bool = True, every_load: bool = False) -> None:
+    def __init__(self, *, checksums: bool = True, every_load: bool = False, hooked: list[int] | None = None) -> None:
         self.layout = build_transfer_layout(
             [Placement(size=len(LAYERS) * BLOCKS * PAGE, layers=LAYERS, layer_stride=BLOCKS * PAGE, block_stride=PAGE)],
             [[(name, PAGE) for name in LAYERS]],
@@ -44,7 +44,9 @@ class _Rank:
         self.memory = torch.randint(0, 256, (len(LAYERS) * BLOCKS * PAGE,), dtype=torch.uint8)
         self.pool = HostPool(plan, check_memory=False)
         engine = CopyEngine(self.memory, self.layout, self.pool, checksums=checksums)
-        layered = LayerwiseCopies(self.layout, self.memory, self.pool, checksums=checksums, every_load=every_load)
+        layered = LayerwiseCopies(
+            self.layout, self.memory, self.pool, checksums=checksums, every_load=every_load, hooked_groups=hooked
+        )
         self.worker = OffloadWorker(engine, rank=0, layerwise=layered)
         self.step = 0
 
@@ -78,7 +80,7 @@ def rank() -> Iterator[_Rank]:
 
 
 def _job(job_id: int, blocks: list[int], chunks: list[int], *, sync: bool = True, tag_of: int = 0) -> TransferJob:
-    tags = [key_tag(make_offload_key(bytes([c + tag_of]) * 32, 0)) for c in chunks]
+    tags = [key_tag(make_offload_key(bytes([(c + tag_of) % 256]) * 32, 0)) for c in chunks]
     return TransferJob(
         job_id=job_id,
         req_id="r",
@@ -145,13 +147,16 @@ def test_a_wrong_key_tag_fails_the_load(rank: _Rank) -> None:
     assert not result.success and Int64Array.from_buffer(result.corrupt_chunk_ids).tolist() == [0]
 
 
-def test_a_store_that_fails_in_one_layer_leaves_the_chunk_unreadable(rank: _Rank) -> None:
+def test_a_store_with_a_bad_id_is_refused_before_any_layer_is_copied(rank: _Rank) -> None:
+    before = [rank.page(layer, 0) for layer in range(len(LAYERS))]
     assert rank.run(stores=(_job(1, [0, 1], [0]),), layers_saved=4)[0].success
-    bad = _job(2, [0, 99], [0])  # block 99 is outside the engine's 8 blocks
+    bad = _job(2, [2, 99], [0])  # block 99 is outside the engine's 8 blocks
     (result,) = rank.run(stores=(bad,), layers_saved=1)
-    assert not result.success and "block_ids" in result.error
+    assert not result.success and "block_ids" in result.error and "99" in result.error
+    rank.memory.zero_()
     (load,) = rank.run(loads=(_job(3, [4, 5], [0]),))
-    assert not load.success, "the earlier good contents were invalidated, never served as if rewritten"
+    assert load.success, "nothing of the refused store reached the chunk: it still holds what job 1 sealed"
+    assert all(torch.equal(rank.page(layer, 4), before[layer]) for layer in range(len(LAYERS)))
 
 
 def test_loads_not_read_in_the_step_are_whole_jobs_and_unknown_layers_are_ignored(rank: _Rank) -> None:
@@ -177,3 +182,71 @@ def test_every_load_mode_and_checksums_off() -> None:
         assert not wrong.success, "key tags are still checked with checksums off"
     finally:
         r.close()
+
+
+def test_layers_without_per_layer_hooks_are_waited_for_before_the_forward_pass() -> None:
+    """A group whose layers the engine calls no hook for (vLLM's Mamba mixers): wait_for_step_loads covers it."""
+    r = _Rank(hooked=[])
+    try:
+        expected = [r.page(layer, 0) for layer in range(len(LAYERS))]
+        assert r.run(stores=(_job(1, [0, 1], [0]),), layers_saved=0)[0].success, "end_step stores every layer"
+        r.memory.zero_()
+        r.step += 1
+        plan = StepPlan(step=r.step, load_jobs=(_job(2, [4, 5], [0]),), store_jobs=())
+        r.worker.start_step(plan)
+        r.worker.wait_for_step_loads(plan, every_load=False)  # no wait_for_layer call at all
+        assert all(torch.equal(r.page(layer, 4), expected[layer]) for layer in range(len(LAYERS)))
+        r.worker.end_step(plan)
+        r.worker.wait_in_flight(10)
+        assert r.worker.report(r.step).results[0].success
+    finally:
+        r.close()
+
+
+def test_a_job_with_ids_out_of_range_is_reported_failed_not_raised(rank: _Rank) -> None:
+    (result,) = rank.run(loads=(_job(1, [4, 5], [99]),))  # the pool has 8 chunks
+    assert not result.success and "chunk_ids" in result.error and "99" in result.error
+    (store,) = rank.run(stores=(_job(2, [0, 1], [-1]),), layers_saved=4)
+    assert not store.success, "refused once, reported once"
+    assert rank.run(stores=(_job(3, [0, 1], [0]),), layers_saved=4)[0].success, "the worker goes on"
+
+
+def test_a_store_left_open_is_finished_and_reported_by_drain(rank: _Rank) -> None:
+    rank.step += 1
+    plan = StepPlan(step=rank.step, load_jobs=(), store_jobs=(_job(1, [0, 1], [0]),))
+    rank.worker.start_step(plan)
+    rank.worker.store_layer("l0")  # the forward pass stopped after layer 0: no end_step
+    report = rank.worker.drain(rank.step, 10)
+    assert [(r.job_id, r.success) for r in report.results] == [(1, True)]
+    assert rank.run(loads=(_job(2, [4, 5], [0]),))[0].success, "every layer landed and was sealed"
+
+
+def test_layers_are_copied_in_forward_order_across_groups() -> None:
+    layout = build_transfer_layout(
+        [
+            Placement(
+                size=4 * BLOCKS * PAGE,
+                layers=("m.1.a", "m.0.b", "m.3.a", "m.2.b"),
+                layer_stride=BLOCKS * PAGE,
+                block_stride=PAGE,
+            )
+        ],
+        [[("m.1.a", PAGE), ("m.3.a", PAGE)], [("m.0.b", PAGE), ("m.2.b", PAGE)]],
+        num_blocks=BLOCKS,
+        worker_kv_bytes_per_block=2 * PAGE,
+    )
+    plan = plan_host_pool(
+        worker_kv_bytes_per_block=2 * PAGE,
+        world_size=1,
+        blocks_per_chunk=1,
+        cpu_bytes_to_use=8 * 4096,
+        replicated=False,
+        rank=0,
+    )
+    memory = torch.zeros(4 * BLOCKS * PAGE, dtype=torch.uint8)
+    with HostPool(plan, check_memory=False) as pool:
+        layered = LayerwiseCopies(layout, memory, pool)
+        try:
+            assert layered.layer_names == ["m.0.b", "m.1.a", "m.2.b", "m.3.a"]
+        finally:
+            layered.close()

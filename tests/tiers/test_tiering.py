@@ -24,7 +24,7 @@ from kvoffload.offload.keys import hash_token_blocks
 from kvoffload.offload.manager import HostBlockManager
 from kvoffload.offload.pool import HostPool, plan_host_pool_from_config
 from kvoffload.offload.scheduler import OffloadScheduler
-from kvoffload.offload.worker import OffloadWorker
+from kvoffload.offload.worker import LayerwiseCopies, OffloadWorker
 from kvoffload.offload.worker.copy import CopyEngine, transfer_layout_from_config
 from kvoffload.tiers import Tiering, TierWorker, start_embedded_servers, tiering_config_from_extra
 from kvoffload.translate import translate_snapshot
@@ -38,7 +38,13 @@ class _Engine:
     """One engine: a tiered scheduler and one worker over real KV memory, host pool and tiers."""
 
     def __init__(
-        self, tiering: TieringConfig, *, host_chunks: int = 16, model: str | None = None, chain: bool = False
+        self,
+        tiering: TieringConfig,
+        *,
+        host_chunks: int = 16,
+        model: str | None = None,
+        chain: bool = False,
+        layerwise: bool = False,
     ) -> None:
         snapshot = default_snapshot(workers=1, num_blocks=NUM_BLOCKS, cpu_bytes=host_chunks * CHUNK)
         if model is not None:
@@ -57,7 +63,8 @@ class _Engine:
         self.pool = HostPool(plan, pin_memory=False)
         layout = transfer_layout_from_config(snapshot.kv_cache_config, self.config)
         self.tiers = TierWorker(tiering, self.config, self.pool)
-        self.worker = OffloadWorker(CopyEngine(self.kv, layout, self.pool), rank=0, tiers=self.tiers)
+        layered = LayerwiseCopies(layout, self.kv, self.pool, every_load=True) if layerwise else None
+        self.worker = OffloadWorker(CopyEngine(self.kv, layout, self.pool), rank=0, tiers=self.tiers, layerwise=layered)
 
     def step(self) -> None:
         plan = wire.decode(wire.encode(self.sched.build_step_plan())).expect(StepPlan)
@@ -619,8 +626,9 @@ def test_a_second_request_loads_chunks_another_request_is_promoting_in_the_same_
 
 
 def test_a_chained_load_of_a_corrupt_record_fails_and_nothing_bad_is_served(tmp_path: Path) -> None:
-    """A record that fails its checksum leaves its host chunk unsealed: the chained load fails verification (the
-    engine recomputes), the chunk is freed, and the next lookup loads only what did verify."""
+    """A record that fails its checksum leaves its host chunk unsealed: the chained load fails without reading
+    it (a tier miss, not host corruption; the engine recomputes), the chunk is freed, and the next lookup loads
+    only what did verify."""
     expected = _fill_disk(tmp_path, seed=9)
     ns_dir = next(p for p in tmp_path.iterdir() if p.is_dir())
     hashes = hash_token_blocks(TOKENS, 16)
@@ -635,7 +643,9 @@ def test_a_chained_load_of_a_corrupt_record_fails_and_nothing_bad_is_served(tmp_
         engine.sched.on_blocks_allocated("B", [list(range(20, 28))], num_external_tokens=112)
         _, report = _chained_step(engine)
         assert [r.success for r in report.results] == [False]
-        assert report.results[0].corrupt_chunk_ids, "failed by the integrity check, before any use"
+        assert "promotion it reads failed" in report.results[0].error
+        assert not report.results[0].corrupt_chunk_ids and engine.worker.corrupt_loads == 0, "not host corruption"
+        assert engine.sched.stats().corrupt_loads == 0
         assert engine.tiering.stats[0].promotion_failures == 1
         engine.sched.finish_request("B")
         assert not engine.manager.has_pending_work()
@@ -687,5 +697,34 @@ def test_a_chained_load_whose_promotion_is_not_done_in_time_fails_without_copyin
         engine.sched.finish_request("B")
         assert not engine.manager.has_pending_work()
         assert engine.tiering.stats[0].promoted_chunks == 8, "the promotion itself finished once the server was back"
+    finally:
+        engine.close()
+
+
+def test_a_chained_load_copied_layer_by_layer_waits_for_its_promotion(tmp_path: Path) -> None:
+    """Chained promotions with layer-wise copies: the load is split per layer once its promotion is done, and each
+    layer is there when the forward pass asks for it."""
+    expected = _fill_disk(tmp_path, seed=11)
+    engine = _Engine(_fs(tmp_path, tier_poll_interval_s=0.5), chain=True, layerwise=True)
+    try:
+        engine.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
+        assert engine.sched.lookup("B", 0) == 112
+        blocks = list(range(20, 28))
+        engine.sched.on_blocks_allocated("B", [blocks], num_external_tokens=112)
+        plan = wire.decode(wire.encode(engine.sched.build_step_plan())).expect(StepPlan)
+        engine.worker.start_step(plan)
+        assert engine.worker.layerwise is not None
+        assert engine.worker.layerwise.in_flight == {plan.load_jobs[0].job_id}, "copied layer by layer"
+        engine.worker.wait_for_step_loads(plan, every_load=True)
+        for layer in engine.worker.layerwise.layer_names:
+            engine.worker.wait_for_layer(layer, 30)
+        got = engine.block_bytes(blocks[:7])
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        engine.worker.end_step(plan)
+        engine.worker.wait_in_flight(30)
+        report = engine.worker.report(plan.step)
+        assert [r.success for r in report.results] == [True]
+        engine.sched.on_worker_reports([report])
+        assert engine.sched.stats().tokens_loaded == 112
     finally:
         engine.close()

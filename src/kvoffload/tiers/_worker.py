@@ -68,6 +68,7 @@ class TierWorker:
         self._keys: dict[int, list[OffloadKey]] = {}  # tier job id -> the keys submitted to the tier
         self._recent: list[deque[OffloadKey]] = [deque(maxlen=_RECENT) for _ in self.tiers]
         self._step_promotions: list[int] = []  # the promotions of the last submit(), until waited for
+        self._failed_promoted: set[int] = set()  # chunk ids the promotions since the last submit() failed to fill
         self.wait_s = tiering.promotion_wait_s
 
     def _slots(self, chunks: Sequence[int], tags: Sequence[int]) -> BlockSlots:
@@ -90,6 +91,7 @@ class TierWorker:
     def submit(self, jobs: Sequence[TierJob]) -> None:
         """Start the tier jobs of a step plan (returns at once)."""
         self._step_promotions = []  # those of an earlier step nobody waited for finish in the background
+        self._failed_promoted = set()
         for job in jobs:
             act = self._promotes if job.is_promotion else self._cascades
             if job.tier >= len(self.tiers):
@@ -153,6 +155,16 @@ class TierWorker:
                     )
                 )
 
+    @property
+    def promotes(self) -> bool:
+        """Whether this rank runs promotions into its rows (a shared pool's other ranks leave them to its writer)."""
+        return self._promotes
+
+    def failed_promotion_chunks(self) -> set[int]:
+        """Host chunks that promotions since the last :meth:`submit` settled without filling (their rows stay
+        unsealed): a load chained to one of them fails as a tier miss, without reading them."""
+        return set(self._failed_promoted)
+
     def recent_keys(self, tier: int) -> list[OffloadKey]:
         """Keys this rank cascaded to tier ``tier`` successfully, the most recent last (up to 4096)."""
         return list(self._recent[tier])
@@ -170,6 +182,7 @@ class TierWorker:
         is_promotion, chunks, tags, keep, failed_now = entry
         failed = sorted({keep[i] for i in tier_failed} | set(failed_now))
         if is_promotion:
+            self._failed_promoted.update(chunks[i] for i in failed)
             done = sorted(set(range(len(chunks))) - set(failed))
             if done:
                 slots = self._slots([chunks[i] for i in done], [tags[i] for i in done])

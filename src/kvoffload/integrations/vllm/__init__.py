@@ -220,6 +220,11 @@ class KVOffloadConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> KVConnectorPromMetrics | None:
         return KVOffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise transfers run in the per-layer hooks, which a full CUDA graph replay skips."""
+        return bool(extra_config.get("layerwise_transfers", False))
+
     def has_pending_push_work(self) -> bool:
         """Stores, cascades or promotions still in flight: the engine keeps stepping until they are done."""
         return self._scheduler is not None and self._scheduler.scheduler.has_pending_work()

@@ -11,7 +11,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvoffload import wire
-from kvoffload._generated import KVCacheConfig, OffloadingConfig, StepPlan, TieringConfig
+from kvoffload._generated import (
+    KVCacheConfig,
+    MambaSpec,
+    OffloadingConfig,
+    StepPlan,
+    TieringConfig,
+    UniformTypeKVCacheSpecs,
+)
 from kvoffload._packed import Int64Array
 from kvoffload.assembly import WorkerParts, build_worker
 from kvoffload.errors import ConfigError
@@ -76,6 +83,7 @@ class _WorkerHalf:
             shared_pool_id=self.shared_pool_id,
             layerwise=self.layerwise,
             layerwise_every_load=self.sync_loads,
+            layerwise_hooked_groups=_attention_groups(self.config, self.kv_cache_config),
         )
         self.worker = self.parts.worker
 
@@ -111,8 +119,11 @@ class _WorkerHalf:
     def wait_loads(self) -> None:
         """Before the forward pass: wait for the loads it reads (every load with load_mode='sync', else the jobs
         the scheduler made synchronous under sync_load_budget_bytes)."""
-        if self.plan is None or not self.plan.load_jobs or self.layerwise:
-            return  # layer-wise: each layer is waited for when the forward pass reaches it (wait_layer)
+        if self.plan is None or not self.plan.load_jobs:
+            return
+        if self.layerwise:  # each hooked layer is waited for when the forward pass reaches it (wait_layer)
+            self._worker().wait_for_step_loads(self.plan, every_load=self.sync_loads)
+            return
         if self.sync_loads:
             self._worker().wait_for_loads(self.plan)
             return
@@ -180,6 +191,19 @@ class _WorkerHalf:
     def close(self) -> None:
         if self.parts is not None:
             self.parts.close()
+
+
+def _attention_groups(config: OffloadingConfig, kv_cache_config: KVCacheConfig) -> list[int]:
+    """The offloaded groups (config order) whose layers vLLM's attention calls the per-layer connector hooks for
+    (``wait_for_layer_load`` / ``save_kv_layer``); Mamba mixers call none."""
+
+    def attention(spec: object) -> bool:
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            return all(attention(s) for s in spec.kv_cache_specs.values())
+        return not isinstance(spec, MambaSpec)
+
+    groups = kv_cache_config.kv_cache_groups
+    return [i for i, g in enumerate(config.groups) if attention(groups[g.group_id].kv_cache_spec)]
 
 
 def _vllm_request_id(sid: str) -> str:

@@ -12,8 +12,9 @@ step computed from it (vLLM discards the step's output of a request whose load f
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -26,9 +27,17 @@ from kvoffload._placement import CopySegment, GroupLayout, LayerPlacement, Trans
 from kvoffload.errors import ConfigError, KVOffloadError
 from kvoffload.offload._direction import Direction
 from kvoffload.offload.pool import BlockSlots, HostPool
-from kvoffload.offload.worker.copy import CopyEngine, CopyJob, build_block_slots
+from kvoffload.offload.worker.copy import CopyEngine, CopyJob, build_block_slots, build_copy_runs
 
 __all__ = ["LayerwiseCopies"]
+
+_NUMBER = re.compile(r"\d+")
+
+
+def _layer_number(name: str) -> float:
+    """The first number in a layer's name (its place in the forward pass); names without one go last."""
+    found = _NUMBER.search(name)
+    return float(found.group()) if found else float("inf")
 
 
 @dataclass(frozen=True)
@@ -71,12 +80,19 @@ class LayerwiseCopies:
         *,
         checksums: bool = True,
         every_load: bool = False,
+        hooked_groups: Collection[int] | None = None,
         cpu_threads: int | None = None,
     ) -> None:
         self._layout = layout
+        # Forward order (the layer number in the name, e.g. model.layers.3.self_attn.attn), so that waiting
+        # for layer i never waits behind a later layer of another group.
+        placed = [(g, layer) for g, group in enumerate(layout.groups) for layer in group.layers]
         self._order: list[tuple[int, LayerPlacement]] = [
-            (g, layer) for g, group in enumerate(layout.groups) for layer in group.layers
+            placed[i] for i in sorted(range(len(placed)), key=lambda i: (_layer_number(placed[i][1].name), i))
         ]
+        hooked = set(range(len(layout.groups))) if hooked_groups is None else set(hooked_groups)
+        # Layers the engine calls no per-layer hook for (e.g. Mamba mixers): waited for before the forward pass.
+        self._unhooked = {i for i, (g, _) in enumerate(self._order) if g not in hooked}
         per_layer = TransferLayout(
             groups=tuple(
                 GroupLayout(
@@ -105,6 +121,7 @@ class LayerwiseCopies:
         self._next_sub = 0
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="kvoffload-layerwise-verify")
         self._done: list[JobResult] = []
+        self._refused: set[int] = set()  # plan jobs whose ids were refused (reported failed once)
         self.layer_waits = 0
         """``wait_layer`` calls that had a layer of a load to wait for (the engine's per-layer hook was used)."""
         self.layer_stores = 0
@@ -129,13 +146,27 @@ class LayerwiseCopies:
     def start_loads(self, jobs: Sequence[TransferJob]) -> None:
         """Submit every layer of the loads, layer by layer across the jobs (layer 0 of all first), and start
         verifying their checksums beside the copies."""
+        opened: list[_Whole] = []
         for job in jobs:
             whole = self._open(job, Direction.LOAD)
+            if whole is None:
+                continue
+            opened.append(whole)
             if whole.slots is not None and self._checksums:
                 whole.verify = self._verifier.submit(self._verify, whole.slots)
         for i in range(len(self._order)):
-            for job in jobs:
-                self._submit_layer(self._whole[job.job_id], i)
+            for whole in opened:
+                self._submit_layer(whole, i)
+
+    def wait_unhooked(self, timeout: float | None = None) -> None:
+        """Before the forward pass: wait for the loads' layers that get no per-layer hook from the engine."""
+        subs = [
+            s
+            for s, (job_id, layer) in self._parent.items()
+            if layer in self._unhooked and self._whole[job_id].direction is Direction.LOAD
+        ]
+        if subs:
+            self._engine.wait(subs, timeout)
 
     def store_layer(self, layer_name: str, jobs: Sequence[TransferJob]) -> None:
         """Layer ``layer_name`` of this step's stores is final in engine memory: copy it now."""
@@ -143,22 +174,62 @@ class LayerwiseCopies:
         if i is None:
             return  # a layer kvoffload does not offload
         for job in jobs:
-            whole = self._whole.get(job.job_id) or self._open(job, Direction.STORE)
-            if i not in whole.issued:
+            whole = self._store(job)
+            if whole is not None and i not in whole.issued:
                 self._submit_layer(whole, i)
                 self.layer_stores += 1
 
-    def finish_stores(self, jobs: Sequence[TransferJob]) -> None:
-        """After the forward pass: copy the layers of the stores that no ``store_layer`` call covered."""
-        for job in jobs:
-            whole = self._whole.get(job.job_id) or self._open(job, Direction.STORE)
+    def finish_stores(self, jobs: Sequence[TransferJob] | None = None) -> None:
+        """After the forward pass: copy the layers of the stores that no ``store_layer`` call covered (``None``:
+        of every store started so far, as at shutdown)."""
+        if jobs is None:
+            wholes = [w for w in self._whole.values() if w.direction is Direction.STORE]
+        else:
+            wholes = [w for job in jobs if (w := self._store(job)) is not None]
+        for whole in wholes:
             for i in range(len(self._order)):
                 if i not in whole.issued:
                     self._submit_layer(whole, i)
 
-    def _open(self, job: TransferJob, direction: Direction) -> _Whole:
+    def _store(self, job: TransferJob) -> _Whole | None:
+        whole = self._whole.get(job.job_id)
+        if whole is not None or job.job_id in self._refused:
+            return whole  # in flight, or refused already
+        return self._open(job, Direction.STORE)
+
+    def _open(self, job: TransferJob, direction: Direction) -> _Whole | None:
+        """Start tracking a plan job; None when its ids are refused (reported failed, the worker goes on)."""
         if job.job_id in self._whole:
             raise ConfigError(f"job_id={job.job_id} is already being copied layer by layer")
+        try:
+            return self._track(job, direction)
+        except KVOffloadError as exc:
+            self._refused.add(job.job_id)
+            self._done.append(
+                JobResult(
+                    job_id=job.job_id,
+                    success=False,
+                    is_store=direction.is_store,
+                    num_bytes=0,
+                    seconds=0.0,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+            )
+            return None
+
+    def _track(self, job: TransferJob, direction: Direction) -> _Whole:
+        parts = self._split(job)
+        build_copy_runs(  # checks the counts and that every id is in range, naming the first bad one
+            self._layout,
+            group_sizes=[p.size for p in parts],
+            block_indices=[p.start for p in parts],
+            block_ids=Int64Array.from_buffer(job.block_ids).to_tensor(),
+            chunk_ids=Int64Array.from_buffer(job.chunk_ids).to_tensor(),
+            blocks_per_chunk=self._bpc,
+            num_chunks=self._pool.num_chunks,
+            host_row_bytes=self._pool.row_bytes,
+            host_slot_offset=self._pool.slot_offset,
+        )
         slots = build_block_slots(
             self._layout,
             self._pool.integrity,
@@ -171,7 +242,7 @@ class LayerwiseCopies:
             host_slot_offset=self._pool.slot_offset,
         )
         writes = self._pool.writes or direction is Direction.LOAD  # a shared pool's other ranks store nothing
-        whole = _Whole(job, direction, time.perf_counter(), slots if writes else None, self._split(job))
+        whole = _Whole(job, direction, time.perf_counter(), slots if writes else None, parts)
         self._whole[job.job_id] = whole
         return whole
 

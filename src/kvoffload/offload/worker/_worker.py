@@ -90,7 +90,7 @@ class OffloadWorker:
             else:
                 self._submit(job, Direction.LOAD)
         if chained:
-            self._submit_chained(chained)
+            layered.extend(self._submit_chained(chained))
         if layered and layerwise is not None:
             layerwise.start_loads(layered)
         self._step_stores = plan.store_jobs if layerwise is not None else ()
@@ -110,6 +110,16 @@ class OffloadWorker:
         self.engine.wait(set(self._in_flight), timeout)
         if self.layerwise is not None:
             self.layerwise.wait(None, timeout)
+
+    def wait_for_step_loads(self, plan: StepPlan, *, every_load: bool, timeout: float | None = None) -> None:
+        """Before the forward pass, with layer-wise copies: wait for the loads it reads that are not copied
+        layer by layer, and for the layers of those that are which get no per-layer hook (``every_load``: the
+        step reads all its loads, else those marked ``sync``)."""
+        copied = self.layerwise.in_flight if self.layerwise is not None else frozenset()
+        whole = [j.job_id for j in plan.load_jobs if (every_load or j.sync) and j.job_id not in copied]
+        self.engine.wait(whole, timeout)
+        if self.layerwise is not None:
+            self.layerwise.wait_unhooked(timeout)
 
     def wait_for_layer(self, layer_name: str, timeout: float | None = None) -> None:
         """Block until layer ``layer_name`` of this step's layer-wise loads is copied (its forward reads it)."""
@@ -160,6 +170,8 @@ class OffloadWorker:
     def drain(self, step: int, timeout: float | None = None) -> WorkerReport:
         """Submit what is deferred, wait for everything in flight, and report it (used at shutdown)."""
         self._submit_deferred()
+        if self.layerwise is not None:
+            self.layerwise.finish_stores()  # stores some layers of which were never saved (no end_step)
         self.wait_in_flight(timeout)
         if self.tiers is not None:
             self.tiers.wait(timeout)
@@ -173,16 +185,30 @@ class OffloadWorker:
         if self.tiers is not None:
             self.tiers.close()
 
-    def _submit_chained(self, jobs: list[TransferJob]) -> None:
+    def _submit_chained(self, jobs: list[TransferJob]) -> list[TransferJob]:
         """Loads that read chunks this plan's promotions write (a scheduler with chained promotions): they start
-        once the promotions are done, or fail without copying when a promotion is not done in time."""
+        once the promotions are done; returns those to copy layer by layer. A load fails without copying when a
+        promotion it reads is not done in time or failed (a tier miss, not host corruption), or when this rank
+        does not promote its rows (a pool shared across ranks: its writer promotes them)."""
         tiers = self.tiers
-        if tiers is not None and tiers.wait_for_promotions():
+        if tiers is None or not tiers.promotes:
             for job in jobs:
-                self._submit(job, Direction.LOAD)
-            return
+                self._fail(job, Direction.LOAD, "chained to a promotion another rank runs (a shared pool)", 0.0)
+            return []
+        if not tiers.wait_for_promotions():
+            for job in jobs:
+                self._fail(job, Direction.LOAD, "a promotion it reads did not finish within promotion_wait_s", 0.0)
+            return []
+        failed = tiers.failed_promotion_chunks()
+        layered: list[TransferJob] = []
         for job in jobs:
-            self._fail(job, Direction.LOAD, "a promotion it reads did not finish within promotion_wait_s", 0.0)
+            if failed and not failed.isdisjoint(Int64Array.from_buffer(job.chunk_ids).tolist()):
+                self._fail(job, Direction.LOAD, "a promotion it reads failed (its tier record is missing or bad)", 0.0)
+            elif self.layerwise is not None and self.layerwise.takes(job):
+                layered.append(job)
+            else:
+                self._submit(job, Direction.LOAD)
+        return layered
 
     def _submit_deferred(self) -> None:
         jobs, self._deferred_stores = self._deferred_stores, []
