@@ -9,12 +9,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvoffload import JobResult, StepPlan, TransferJob
+from kvoffload import Direction, JobResult, StepPlan, TransferJob
 from kvoffload._packed import Int64Array, pack_int32, pack_int64
 from kvoffload.offload.keys import key_tag, make_offload_key
 from kvoffload.offload.pool import HostPool, plan_host_pool
 from kvoffload.offload.worker import LayerwiseCopies, OffloadWorker
-from kvoffload.offload.worker.copy import CopyEngine, build_transfer_layout
+from kvoffload.offload.worker.copy import CopyEngine, CopyJob, build_transfer_layout
 from tests.helpers import Placement
 
 PAGE = 256
@@ -250,3 +250,79 @@ def test_layers_are_copied_in_forward_order_across_groups() -> None:
             assert layered.layer_names == ["m.0.b", "m.1.a", "m.2.b", "m.3.a"]
         finally:
             layered.close()
+
+
+def test_two_groups_with_a_partial_first_chunk_match_whole_job_copies() -> None:
+    """Two groups, two blocks per chunk, group A entering its first chunk at sub-block 1: a layer-wise store loads
+    back through a whole-job load and a whole-job store through a layer-wise load, byte for byte."""
+    names = ("a0", "b0", "a1", "b1")
+    layout = build_transfer_layout(
+        [Placement(size=4 * BLOCKS * PAGE, layers=names, layer_stride=BLOCKS * PAGE, block_stride=PAGE)],
+        [[("a0", PAGE), ("a1", PAGE)], [("b0", PAGE), ("b1", PAGE)]],
+        num_blocks=BLOCKS,
+        worker_kv_bytes_per_block=2 * PAGE,
+    )
+    plan = plan_host_pool(
+        worker_kv_bytes_per_block=2 * PAGE,
+        world_size=1,
+        blocks_per_chunk=2,
+        cpu_bytes_to_use=8 * 2 * 4096,
+        replicated=False,
+        rank=0,
+    )
+    memory = torch.randint(0, 256, (4 * BLOCKS * PAGE,), dtype=torch.uint8)
+
+    def page(layer: int, block: int) -> torch.Tensor:
+        return memory[layer * BLOCKS * PAGE + block * PAGE :][:PAGE].clone()
+
+    def job(job_id: int, a: list[int], b: list[int], chunks: list[int]) -> TransferJob:
+        tags = [key_tag(make_offload_key(bytes([c]) * 32, 0)) for c in chunks]
+        return TransferJob(
+            job_id=job_id,
+            req_id="r",
+            group_sizes=pack_int32([len(a), len(b)]),
+            block_indices=pack_int32([1, 0]),
+            block_ids=pack_int64(a + b),
+            chunk_ids=pack_int64(chunks),
+            sync=True,
+            chunk_tags=pack_int64(tags),
+        )
+
+    with HostPool(plan, check_memory=False) as pool:
+        layered = LayerwiseCopies(layout, memory, pool)
+        worker = OffloadWorker(CopyEngine(memory, layout, pool), rank=0, layerwise=layered)
+        try:
+            for n, (store_layerwise, chunks) in enumerate(((True, [0, 1, 2]), (False, [3, 4, 5]))):
+                src_a, src_b, dst_a, dst_b = [0, 1, 2], [3, 4], [5, 6, 7], [0, 1]
+                want = {(layer, i): page(layer, blk) for layer in (0, 2) for i, blk in enumerate(src_a)}
+                want |= {(layer, i): page(layer, blk) for layer in (1, 3) for i, blk in enumerate(src_b)}
+                store = job(10 * n + 1, src_a, src_b, chunks)
+                if store_layerwise:
+                    step = StepPlan(step=3 * n, load_jobs=(), store_jobs=(store,))
+                    worker.start_step(step)
+                    for name in layered.layer_names:
+                        worker.store_layer(name)
+                    worker.end_step(step)
+                else:
+                    worker.engine.submit(CopyJob.from_transfer(store, Direction.STORE))
+                    worker.engine.wait([store.job_id], 10)  # submitted past the worker: waited for here
+                worker.wait_in_flight(10)
+                assert [r.success for r in worker.report(3 * n).results] == [True]
+                load = job(10 * n + 2, dst_a, dst_b, chunks)
+                if store_layerwise:  # a whole-job load (checksums verified in the copy kernel)
+                    worker.engine.submit(CopyJob.from_transfer(load, Direction.LOAD))
+                    worker.engine.wait([load.job_id], 10)
+                else:
+                    step = StepPlan(step=3 * n + 1, load_jobs=(load,), store_jobs=())
+                    worker.start_step(step)
+                    for name in layered.layer_names:
+                        worker.wait_for_layer(name, 10)
+                    worker.end_step(step)
+                worker.wait_in_flight(10)
+                assert [r.success for r in worker.report(3 * n + 1).results] == [True]
+                for (layer, i), expected in want.items():
+                    dst = dst_a if layer in (0, 2) else dst_b
+                    assert torch.equal(page(layer, dst[i]), expected), (store_layerwise, layer, i)
+                memory.copy_(torch.randint(0, 256, memory.shape, dtype=torch.uint8))
+        finally:
+            worker.close()
