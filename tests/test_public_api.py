@@ -311,6 +311,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "TransferLayout",
         "build_block_slots",
         "build_copy_runs",
+        "check_job_ids",
         "build_transfer_layout",
         "transfer_layout_from_config",
     ],

@@ -15,6 +15,7 @@ host pool, its manager, the tiers and the copy engine are wired together in one 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -238,39 +239,30 @@ def build_worker(
     from kvoffload.offload.worker import OffloadWorker
     from kvoffload.offload.worker.copy import CopyEngine
 
-    pool = HostPool(plan_host_pool_from_config(config), engine_id=shared_pool_id)
-    try:
+    with contextlib.ExitStack() as undo:  # a part that fails to build releases the parts built before it
+        pool = HostPool(plan_host_pool_from_config(config), engine_id=shared_pool_id)
+        undo.callback(pool.close)
         engine = CopyEngine(kv, layout, pool, cpu_threads=cpu_threads, checksums=checksums)
+        undo.callback(engine.close)
         layered = None
         if layerwise:
             from kvoffload.offload.worker import LayerwiseCopies
 
-            try:
-                layered = LayerwiseCopies(
-                    layout,
-                    kv,
-                    pool,
-                    checksums=checksums,
-                    every_load=layerwise_every_load,
-                    hooked_groups=layerwise_hooked_groups,
-                    cpu_threads=cpu_threads,
-                )
-            except BaseException:
-                engine.close()
-                raise
+            layered = LayerwiseCopies(
+                layout,
+                kv,
+                pool,
+                checksums=checksums,
+                every_load=layerwise_every_load,
+                hooked_groups=layerwise_hooked_groups,
+                cpu_threads=cpu_threads,
+            )
+            undo.callback(layered.close)
         tiers = None
         if tiering is not None and tiering.secondary_tiers:
             from kvoffload.tiers import TierWorker
 
-            try:
-                tiers = TierWorker(tiering, config, pool, checksums=checksums)
-            except BaseException:
-                engine.close()
-                if layered is not None:
-                    layered.close()
-                raise
+            tiers = TierWorker(tiering, config, pool, checksums=checksums)
         worker = OffloadWorker(engine, rank=config.parallel.rank, tiers=tiers, layerwise=layered)
-    except BaseException:
-        pool.close()
-        raise
+        undo.pop_all()
     return WorkerParts(worker=worker, pool=pool)

@@ -7,10 +7,6 @@ scheduler half in-process, its plans run by a real worker (copy engine, host poo
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -48,7 +44,7 @@ from kvoffload.offload.pool import HostPool, plan_host_pool_from_config
 from kvoffload.offload.worker import OffloadWorker
 from kvoffload.offload.worker.copy import CopyEngine, transfer_layout_from_config
 from kvoffload.translate import translate_snapshot
-from tests.integrations.engines import ROOT
+from tests.integrations.engines import run_script
 
 CHUNK = 256 * 1024  # one chunk of default_snapshot(workers=1): 16 tokens
 TOKENS = list(range(1, 129))  # 8 chunks
@@ -376,20 +372,7 @@ def test_a_request_that_ends_while_deferred_has_its_wait_measured() -> None:
 @pytest.mark.slow
 def test_llm_get_metrics_sees_the_connectors_figures(tiny_model: Path) -> None:
     """vLLM's reader returns only ``vllm:`` metrics: the connector's transfer and lookup figures are among them."""
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING")
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    script = Path(__file__).with_name("vllm_metrics_scenario.py")
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tiny_model)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=ROOT,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"scenario failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
-    result = json.loads(lines[-1].removeprefix("RESULT "))
+    result = run_script(Path(__file__).with_name("vllm_metrics_scenario.py"), tiny_model)
     figures = result["figures"]
     assert result["lookups_deferred"] >= 1, "b's lookup waited for a's stores"
     assert figures["vllm:kv_offload_load_bytes"] == result["bytes_loaded"] > 0

@@ -3,10 +3,6 @@ OffloadScheduler, and a real vLLM engine whose published events carry the right 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -39,9 +35,9 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvoffload.integrations.vllm._config import parse_connector_config
 from kvoffload.integrations.vllm._kv_events import SelfDescribingEvents, to_vllm_events
+from tests.integrations.engines import run_script
 
 TPB, BPC = 16, 2  # 16-token blocks (= the hash block), chunks of 32 tokens
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _config() -> Any:
@@ -197,20 +193,7 @@ def test_vllm_removals_convert_with_their_hashes() -> None:
 
 @pytest.mark.slow
 def test_a_real_engine_publishes_self_describing_events(tiny_model: Path, tmp_path: Path) -> None:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="WARNING")
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    script = Path(__file__).with_name("vllm_events_scenario.py")
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tiny_model), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=ROOT,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"scenario failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
-    result = json.loads(lines[-1].removeprefix("RESULT "))
+    result = run_script(Path(__file__).with_name("vllm_events_scenario.py"), tiny_model, tmp_path)
     events = [e for batch in result["batches"] for e in batch["events"]]
     tpb = result["tokens_per_block"]
     chunk_tokens = 64  # kv_connector_extra_config block_size

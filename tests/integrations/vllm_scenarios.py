@@ -173,11 +173,30 @@ def multiprocess(model: str, out: Path, tensor_parallel_size: int = 1) -> dict[s
     return result
 
 
+def _until_landed(llm: Any, half: Any) -> dict[str, Any]:
+    """Keep the engine stepping until every store, cascade and promotion has landed; what landed, in the first
+    secondary tier's row."""
+    from kvoffload.tiers import Tiering
+
+    for _ in range(100):
+        if not half.scheduler.has_pending_work():
+            break
+        generate(llm, ["pump"], max_tokens=1)
+    tiering = half.scheduler.extension
+    assert isinstance(tiering, Tiering)
+    row = tiering.stats[0]
+    return {
+        "pending": half.scheduler.has_pending_work(),
+        "stats": stats_dict(llm),
+        "cascaded": row.cascaded_chunks,
+        "promoted": row.promoted_chunks,
+        "tier": dataclasses.asdict(row),
+    }
+
+
 def tiers(model: str, out: Path, phase: str) -> dict[str, Any]:
     """A disk tier under the host pool: one engine stores (and cascades), a fresh engine reloads from disk."""
     from vllm import LLM
-
-    from kvoffload.tiers import Tiering
 
     tier = {"type": "fs", "root_dir": str(out / "disk"), "n_read_threads": 2, "n_write_threads": 2}
     llm = LLM(
@@ -189,17 +208,7 @@ def tiers(model: str, out: Path, phase: str) -> dict[str, Any]:
     half = llm.llm_engine.engine_core.engine_core.scheduler.connector._scheduler
     result: dict[str, Any] = {}
     result["tokens"], result["cached"] = one_by_one(llm, prompts())
-    for _ in range(100):  # keep the engine stepping until every store and cascade has landed
-        if not half.scheduler.has_pending_work():
-            break
-        generate(llm, ["pump"], max_tokens=1)
-    result["pending"] = half.scheduler.has_pending_work()
-    result["stats"] = stats_dict(llm)
-    tiering = half.scheduler.extension
-    assert isinstance(tiering, Tiering)
-    rows = tiering.stats
-    result["cascaded"] = rows[0].cascaded_chunks
-    result["promoted"] = rows[0].promoted_chunks
+    result.update(_until_landed(llm, half))
     return result
 
 
@@ -211,8 +220,6 @@ def shared_store(model: str, out: Path, role: str) -> dict[str, Any]:
     """
     from vllm import LLM
 
-    from kvoffload.tiers import Tiering
-
     cluster = os.environ.get("KVO_TEST_VALKEY_CLUSTER") == "1"
     tier = {"type": "valkey", "url": os.environ["KVO_TEST_VALKEY_URL"], "cluster": cluster}
     # What B gets is checked here, not how fast: a busy 2-core machine can take longer than the default 0.1 s.
@@ -223,18 +230,7 @@ def shared_store(model: str, out: Path, role: str) -> dict[str, Any]:
     result: dict[str, Any] = {"role": role, "engine_id": connector.offloading_config.engine_id}
     result["before"] = stats_dict(llm)
     result["tokens"], result["cached"] = one_by_one(llm, prompts())
-    for _ in range(100):  # keep the engine stepping until every store, cascade and promotion has landed
-        if not half.scheduler.has_pending_work():
-            break
-        generate(llm, ["pump"], max_tokens=1)
-    result["pending"] = half.scheduler.has_pending_work()
-    result["stats"] = stats_dict(llm)
-    tiering = half.scheduler.extension
-    assert isinstance(tiering, Tiering)
-    rows = tiering.stats
-    result["cascaded"] = rows[0].cascaded_chunks
-    result["promoted"] = rows[0].promoted_chunks
-    result["tier"] = dataclasses.asdict(rows[0])
+    result.update(_until_landed(llm, half))
     return result
 
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Container, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvoffload._generated import JobResult, TransferJob
@@ -27,7 +28,7 @@ from kvoffload._placement import CopySegment, GroupLayout, LayerPlacement, Trans
 from kvoffload.errors import ConfigError, KVOffloadError
 from kvoffload.offload._direction import Direction
 from kvoffload.offload.pool import BlockSlots, HostPool
-from kvoffload.offload.worker.copy import CopyEngine, CopyJob, build_block_slots, build_copy_runs
+from kvoffload.offload.worker.copy import CopyEngine, CopyJob, build_block_slots, check_job_ids
 
 __all__ = ["LayerwiseCopies"]
 
@@ -46,9 +47,9 @@ class _GroupPart:
 
     size: int
     start: int
-    blocks: torch.Tensor
-    chunks: torch.Tensor
-    tags: torch.Tensor | None
+    blocks: np.ndarray
+    chunks: np.ndarray
+    tags: np.ndarray | None
 
 
 @dataclass
@@ -160,11 +161,7 @@ class LayerwiseCopies:
 
     def wait_unhooked(self, timeout: float | None = None) -> None:
         """Before the forward pass: wait for the loads' layers that get no per-layer hook from the engine."""
-        subs = [
-            s
-            for s, (job_id, layer) in self._parent.items()
-            if layer in self._unhooked and self._whole[job_id].direction is Direction.LOAD
-        ]
+        subs = self._load_subs(self._unhooked)
         if subs:
             self._engine.wait(subs, timeout)
 
@@ -218,62 +215,50 @@ class LayerwiseCopies:
             return None
 
     def _track(self, job: TransferJob, direction: Direction) -> _Whole:
-        parts = self._split(job)
-        build_copy_runs(  # checks the counts and that every id is in range, naming the first bad one
+        sizes = Int32Array.from_buffer(job.group_sizes).tolist()
+        starts = Int32Array.from_buffer(job.block_indices).tolist()
+        blocks, chunks = check_job_ids(  # counts and id ranges, naming the first bad one
             self._layout,
-            group_sizes=[p.size for p in parts],
-            block_indices=[p.start for p in parts],
+            group_sizes=sizes,
+            block_indices=starts,
             block_ids=Int64Array.from_buffer(job.block_ids).to_tensor(),
             chunk_ids=Int64Array.from_buffer(job.chunk_ids).to_tensor(),
             blocks_per_chunk=self._bpc,
             num_chunks=self._pool.num_chunks,
-            host_row_bytes=self._pool.row_bytes,
-            host_slot_offset=self._pool.slot_offset,
         )
+        tags = Int64Array.from_buffer(job.chunk_tags).to_tensor().numpy() if job.chunk_tags else None
         slots = build_block_slots(
             self._layout,
             self._pool.integrity,
-            group_sizes=Int32Array.from_buffer(job.group_sizes).tolist(),
-            block_indices=Int32Array.from_buffer(job.block_indices).tolist(),
-            chunk_ids=Int64Array.from_buffer(job.chunk_ids).to_tensor(),
-            chunk_tags=Int64Array.from_buffer(job.chunk_tags).to_tensor() if job.chunk_tags else None,
+            group_sizes=sizes,
+            block_indices=starts,
+            chunk_ids=chunks,
+            chunk_tags=tags,
             blocks_per_chunk=self._bpc,
             host_row_bytes=self._pool.row_bytes,
             host_slot_offset=self._pool.slot_offset,
         )
-        writes = self._pool.writes or direction is Direction.LOAD  # a shared pool's other ranks store nothing
-        whole = _Whole(job, direction, time.perf_counter(), slots if writes else None, parts)
-        self._whole[job.job_id] = whole
-        return whole
-
-    def _split(self, job: TransferJob) -> list[_GroupPart]:
-        """The job's blocks, chunks and tags per group (chunk ids are consumed group after group)."""
-        sizes = Int32Array.from_buffer(job.group_sizes).tolist()
-        starts = Int32Array.from_buffer(job.block_indices).tolist()
-        if len(sizes) != len(self._layout.groups) or len(starts) != len(sizes):
-            raise ConfigError(
-                f"job {job.job_id}: group_sizes has {len(sizes)} and block_indices {len(starts)} entries; the "
-                f"layout has {len(self._layout.groups)} groups"
-            )
-        blocks = Int64Array.from_buffer(job.block_ids).to_tensor()
-        chunks = Int64Array.from_buffer(job.chunk_ids).to_tensor()
-        tags = Int64Array.from_buffer(job.chunk_tags).to_tensor() if job.chunk_tags else None
+        # Each group's share: chunk ids are consumed group after group.
         parts: list[_GroupPart] = []
         block_at = chunk_at = 0
         for n, start in zip(sizes, starts, strict=True):
             count = cdiv(n + start % self._bpc, self._bpc) if n else 0
+            chunk_range = slice(chunk_at, chunk_at + count)
             parts.append(
                 _GroupPart(
                     n,
                     start,
                     blocks[block_at : block_at + n],
-                    chunks[chunk_at : chunk_at + count],
-                    None if tags is None else tags[chunk_at : chunk_at + count],
+                    chunks[chunk_range],
+                    None if tags is None else tags[chunk_range],
                 )
             )
             block_at += n
             chunk_at += count
-        return parts
+        writes = self._pool.writes or direction is Direction.LOAD  # a shared pool's other ranks store nothing
+        whole = _Whole(job, direction, time.perf_counter(), slots if writes else None, parts)
+        self._whole[job.job_id] = whole
+        return whole
 
     def _submit_layer(self, whole: _Whole, i: int) -> None:
         part = whole.parts[self._order[i][0]]
@@ -303,14 +288,19 @@ class LayerwiseCopies:
         i = self._index.get(layer_name)
         if i is None:
             return
-        subs = [
-            s
-            for s, (job_id, layer) in self._parent.items()
-            if layer == i and self._whole[job_id].direction is Direction.LOAD
-        ]
+        subs = self._load_subs({i})
         if subs:
             self.layer_waits += 1
             self._engine.wait(subs, timeout)
+
+    def _load_subs(self, layers: Container[int]) -> list[int]:
+        """Sub-jobs in flight of loads, of the given layer indices."""
+        whole = self._whole
+        return [
+            s
+            for s, (job_id, layer) in self._parent.items()
+            if layer in layers and whole[job_id].direction is Direction.LOAD
+        ]
 
     def wait(self, job_ids: Iterable[int] | None = None, timeout: float | None = None) -> None:
         """Block until the named plan jobs (default: all in flight) have every sub-job done."""

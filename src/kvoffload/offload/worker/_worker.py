@@ -149,17 +149,12 @@ class OffloadWorker:
     def report(self, step: int) -> WorkerReport:
         """Jobs finished since the last report (submission order per direction; failures included)."""
         results = self.engine.poll()
+        if self.layerwise is not None:
+            results.extend(self.layerwise.poll())
         for r in results:
             if r.corrupt_chunk_ids:
                 self.corrupt_loads += 1
                 self.corrupted_chunks += len(r.corrupt_chunk_ids) // 8
-        if self.layerwise is not None:
-            copied = self.layerwise.poll()
-            for r in copied:
-                if r.corrupt_chunk_ids:
-                    self.corrupt_loads += 1
-                    self.corrupted_chunks += len(r.corrupt_chunk_ids) // 8
-            results.extend(copied)
         results.extend(self._failed)
         self._failed = []
         for r in results:

@@ -25,7 +25,7 @@ from kvoffload._placement import (
 from kvoffload.offload.worker.copy._backend import CopyBackend, Direction
 from kvoffload.offload.worker.copy._engine import CopyEngine
 from kvoffload.offload.worker.copy._job import CopyJob
-from kvoffload.offload.worker.copy._runs import CopyRuns, IdsLike, build_block_slots, build_copy_runs
+from kvoffload.offload.worker.copy._runs import CopyRuns, IdsLike, build_block_slots, build_copy_runs, check_job_ids
 
 __all__ = [
     "CopyBackend",
@@ -42,5 +42,6 @@ __all__ = [
     "build_block_slots",
     "build_copy_runs",
     "build_transfer_layout",
+    "check_job_ids",
     "transfer_layout_from_config",
 ]

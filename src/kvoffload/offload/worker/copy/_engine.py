@@ -215,17 +215,7 @@ class CopyEngine:
         if direction is Direction.STORE and not self._writes:
             runs = CopyRuns.empty()
         else:
-            slots = build_block_slots(
-                self._layout,
-                self._table,
-                group_sizes=job.group_sizes,
-                block_indices=job.block_indices,
-                chunk_ids=job.chunk_ids,
-                chunk_tags=job.chunk_tags,
-                blocks_per_chunk=self._bpc,
-                host_row_bytes=self._row_bytes,
-                host_slot_offset=self._slot_offset,
-            )
+            slots = self._block_slots(job)
             if direction is Direction.STORE:
                 self._table.invalidate(slots)  # unusable until this store's copy has completed
         self._unpolled.add(job_id)
@@ -239,7 +229,12 @@ class CopyEngine:
             block_ids=job.block_ids,
             chunk_ids=job.chunk_ids,
         )
-        build_block_slots(
+        self._block_slots(job)
+        raise ConfigError(f"job {job.job_id}: {refused}") from refused
+
+    def _block_slots(self, job: CopyJob) -> BlockSlots:
+        """The integrity-table slots of the sub-blocks ``job`` touches (its runs were checked first)."""
+        return build_block_slots(
             self._layout,
             self._table,
             group_sizes=job.group_sizes,
@@ -250,7 +245,6 @@ class CopyEngine:
             host_row_bytes=self._row_bytes,
             host_slot_offset=self._slot_offset,
         )
-        raise ConfigError(f"job {job.job_id}: {refused}") from refused
 
     @property
     def native(self) -> bool:

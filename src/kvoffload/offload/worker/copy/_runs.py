@@ -20,7 +20,7 @@ from kvoffload._placement import TransferLayout
 from kvoffload.errors import ConfigError
 from kvoffload.offload.pool import BlockSlots, IntegrityTable
 
-__all__ = ["CopyRuns", "IdsLike", "JobBlocks", "build_block_slots", "build_copy_runs"]
+__all__ = ["CopyRuns", "IdsLike", "JobBlocks", "build_block_slots", "build_copy_runs", "check_job_ids"]
 
 IdsLike = Sequence[int] | torch.Tensor | np.ndarray
 """Block or chunk ids: a sequence of ints, a 1-D integer tensor or a 1-D integer numpy array."""
@@ -137,6 +137,22 @@ def _checked_ids(
     _check_range(chunks, "chunk_ids", num_chunks, "num_chunks")
 
     return blocks, chunks
+
+
+def check_job_ids(
+    layout: TransferLayout,
+    *,
+    group_sizes: Sequence[int],
+    block_indices: Sequence[int],
+    block_ids: IdsLike,
+    chunk_ids: IdsLike,
+    blocks_per_chunk: int,
+    num_chunks: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """What :func:`build_copy_runs` checks first, without building the runs: the counts a job consumes and the
+    range of every id (:class:`ConfigError` names the first problem). Returns its block and chunk ids as int64
+    arrays."""
+    return _checked_ids(layout, group_sizes, block_indices, block_ids, chunk_ids, blocks_per_chunk, num_chunks)
 
 
 def build_copy_runs(
