@@ -10,7 +10,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from pathlib import Path
 
@@ -19,7 +19,6 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvoffload import BlockStored, ConfigError
-from kvoffload import _events as events
 from kvoffload._events import DEFAULT_TOPIC, KVEventPublisher, KVEventSubscriber
 
 EVENTS = [BlockStored(block_hashes=tuple(i.to_bytes(32, "big") for i in range(30)))]  # about 1 KiB a batch
@@ -72,6 +71,15 @@ def _hung_up(sock: socket.socket, timeout_s: float = 10.0) -> bool:
         return False
     except OSError:  # reset
         pass
+    return True
+
+
+def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
     return True
 
 
@@ -261,12 +269,8 @@ def test_zmq_subscribers_with_heartbeats_and_xsub_sockets_are_served() -> None:
             xsub.close(0)
 
 
-def test_peers_that_break_the_protocol_never_shake_hands_or_come_too_many_are_closed(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(events, "HANDSHAKE_S", 0.2)
-    monkeypatch.setattr(events, "MAX_PEERS", 3)
-    with KVEventPublisher("tcp://127.0.0.1:0") as pub:
+def test_peers_that_break_the_protocol_never_shake_hands_or_come_too_many_are_closed() -> None:
+    with KVEventPublisher("tcp://127.0.0.1:0", max_peers=3, handshake_s=0.2) as pub:
         port = int(pub.endpoint.rsplit(":", 1)[1])
         with closing(socket.create_connection(("127.0.0.1", port), timeout=10)) as http:
             http.sendall(b"GET / HTTP/1.0\r\n\r\n")
@@ -275,10 +279,81 @@ def test_peers_that_break_the_protocol_never_shake_hands_or_come_too_many_are_cl
             assert _hung_up(silent)  # no greeting within HANDSHAKE_S
         peers = [_zmtp_peer(pub.endpoint) for _ in range(3)]
         try:
+            for p in peers:  # subscribers: a new connection cannot replace them
+                p.sendall(_frame(b"\x01" + DEFAULT_TOPIC))
+            assert _until(lambda: pub.subscribers == 3)
             with closing(socket.create_connection(("127.0.0.1", port), timeout=10)) as fourth:
-                assert _hung_up(fourth)  # MAX_PEERS are connected already
+                assert _hung_up(fourth)  # max_peers are connected already
             assert not any(_hung_up(p, 0.3) for p in peers)
         finally:
             for p in peers:
                 p.close()
         assert pub.peers_dropped == 3
+
+
+BIG = [BlockStored(block_hashes=tuple(i.to_bytes(32, "big") for i in range(500)))]  # about 17 KiB a batch
+
+
+@needs_proc
+@pytest.mark.parametrize(
+    ("peer_bytes", "total_bytes"), [(256 << 10, 64 * MIB), (4 * MIB, 1536 << 10)], ids=["per-peer", "total"]
+)
+def test_subscribers_that_never_read_cost_the_publisher_bounded_bytes(
+    tmp_path: Path, peer_bytes: int, total_bytes: int
+) -> None:
+    stalled_n, steps, step = 8, 250, 6  # 1,500 batches, 25 MiB for each subscriber
+    with contextlib.ExitStack() as stack:
+        pub = stack.enter_context(
+            KVEventPublisher(f"ipc://{tmp_path}/ev", max_peer_bytes=peer_bytes, max_queued_bytes=total_bytes)
+        )
+        stalled = [stack.enter_context(KVEventSubscriber(pub.endpoint, hwm=1)) for _ in range(stalled_n)]
+        reader = stack.enter_context(KVEventSubscriber(pub.endpoint))
+        _connected(pub, reader, *stalled)  # from now on the stalled ones never read
+        before, first, seqs, peak, grew = _rss(), pub.next_seq, list[int](), 0, 0
+        for _ in range(steps):
+            for _ in range(step):
+                assert pub.publish(BIG)
+                peak = max(peak, pub.queued_bytes)
+            while len(seqs) < pub.next_seq - first and (got := reader.recv(timeout_s=10.0)) is not None:
+                seqs.append(got.batch.seq)
+            peak, grew = max(peak, pub.queued_bytes), max(grew, _rss() - before)
+        assert seqs == list(range(first, pub.next_seq)), "the subscriber that reads lost batches"
+        assert grew < 48 * MIB, f"RSS grew {grew / MIB:.0f} MiB"
+        bound = min(total_bytes, (stalled_n + 1) * peer_bytes)
+        assert bound // 2 < peak <= bound, (peak, bound)  # the stalled queues filled up to the bound, not beyond
+        assert pub.undelivered > stalled_n * steps * step // 2 and pub.dropped == 0
+
+
+@pytest.mark.timeout(60)
+def test_silent_peers_that_never_subscribe_cannot_lock_subscribers_out() -> None:
+    with KVEventPublisher("tcp://127.0.0.1:0", max_peers=8, handshake_s=0.5) as pub:
+        silent = [_zmtp_peer(pub.endpoint) for _ in range(8)]  # they shake hands, then never subscribe nor read
+        try:
+            with KVEventSubscriber(pub.endpoint) as sub:
+                deadline, got = time.monotonic() + 20.0, None
+                while got is None and time.monotonic() < deadline:
+                    pub.publish(EVENTS)
+                    got = sub.recv(timeout_s=0.1)
+                assert got is not None, "a new subscriber got no batch in 20 s"
+                _still_serves(pub, sub)
+            assert sum(_hung_up(p, 0.2) for p in silent) >= 1  # replaced by the subscriber
+        finally:
+            for p in silent:
+                p.close()
+
+
+def test_byte_bounds_and_peer_bounds_are_validated_and_publish_drops_what_exceeds_them() -> None:
+    for name, bad in (
+        ("max_peer_bytes", 0),
+        ("max_queued_bytes", -1),
+        ("max_queued_bytes", 1.5),
+        ("max_peers", 0),
+        ("handshake_s", 0),
+        ("handshake_s", float("nan")),
+        ("handshake_s", "10"),
+    ):
+        with pytest.raises(ConfigError, match=rf"{name}\b.*{re.escape(repr(bad))}"):
+            KVEventPublisher("tcp://127.0.0.1:0", **{name: bad})  # type: ignore[arg-type]
+    with KVEventPublisher("tcp://127.0.0.1:0", max_queued_bytes=4096) as pub:
+        assert not pub.publish(BIG) and pub.dropped == 1  # over max_queued_bytes: never handed to the thread
+        assert pub.publish(EVENTS) and pub.queued_bytes == 0
