@@ -33,150 +33,40 @@ import itertools
 import logging
 import math
 import os
-import re
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import zmq
 
 from kvoffload import wire
+from kvoffload._events_subscriber import (
+    DEFAULT_TOPIC,
+    KVEventSubscriber,
+    ReceivedBatch,
+    SequenceGap,
+    _check_endpoint,
+)
+from kvoffload._events_zmtp import _GREETING, _RETRY_S, _frame, _Peer
 from kvoffload._generated import KVEvent, KVEventBatch
 from kvoffload._ints import check_int
 from kvoffload.errors import ConfigError, WireError
 
 __all__ = ["DEFAULT_TOPIC", "KVEventPublisher", "KVEventSubscriber", "ReceivedBatch", "SequenceGap"]
 
-DEFAULT_TOPIC = b"kvoffload.events"
-"""Topic frame of every published batch."""
 MAX_INBOUND_BYTES = 1024  # the largest frame a publisher takes from a peer (or its topic's length + 64)
 MAX_SUBSCRIPTIONS = 64  # default bound on the subscriptions one peer holds
 MAX_PEERS = 1024  # default bound on the connections a publisher keeps at once
 HANDSHAKE_S = 10.0  # default seconds a peer has to complete its ZMTP handshake (and then to subscribe)
 PEER_BYTES = 4 << 20  # default bound on the bytes queued for one subscriber
 QUEUED_BYTES = 128 << 20  # default bound on the bytes queued for all of them
-SUBSCRIBER_MESSAGE_BYTES = 64 << 20  # default bound on a frame a KVEventSubscriber accepts
 
 _TURN = 256  # batches forwarded, or peer messages read, per turn of the publisher's loop: neither starves
 _INBOUND_HWM = 16  # chunks (up to 8 KiB each) queued per peer before ZMQ stops reading it
-_RATE_BYTES, _BURST_BYTES = 4096, 64 << 10  # what a peer may send per second, and at once
 _CHUNK, _PIPE_CHUNKS = 16 << 10, 4  # queued bytes go to ZMQ in chunks this big, this many at most per connection
-_RETRY_S, _RETRY_MAX_S = 0.001, 0.1  # after ZMQ refused a chunk (the peer reads slowly): first and longest wait
+_RETRY_MAX_S = 0.1  # the longest wait after ZMQ refused chunks (the peer reads slowly)
 _queue_ids = itertools.count()
 _log = logging.getLogger(__name__)
-
-
-def _check_endpoint(endpoint: str, *, bind: bool) -> str:
-    """``endpoint`` if it is a ZMQ endpoint; a tcp one needs a port in 1..65535 (0 or * too, to bind any free)."""
-    if not isinstance(endpoint, str) or "://" not in endpoint:
-        raise ConfigError(f"KV events endpoint must be a ZMQ endpoint like 'tcp://127.0.0.1:5557', got {endpoint!r}")
-    transport, _, address = endpoint.partition("://")
-    if bind and transport not in ("tcp", "ipc"):
-        raise ConfigError(f"KV events endpoint {endpoint!r}: a publisher binds tcp:// or ipc://")
-    port, low = address.rpartition(":")[2], (0 if bind else 1)  # [source;]host:port, host maybe [IPv6]
-    valid = (bind and port == "*") or (port.isascii() and port.isdigit() and low <= int(port) < 65536)
-    if transport == "tcp" and not valid:
-        free = ", or 0 or * for any free one" if bind else ""
-        raise ConfigError(f"KV events endpoint {endpoint!r}: the port must be from 1 to 65535{free}, got {port!r}")
-    return endpoint
-
-
-# ZMTP 3.0 (rfc.zeromq.org/spec/23), NULL mechanism: what a ZMQ SUB socket speaks to a PUB socket.
-def _frame(data: bytes, flags: int = 0) -> bytes:
-    """One ZMTP frame: flags (1 more, 2 long, 4 command), a 1- or 8-byte size, the body."""
-    if len(data) > 255:
-        return bytes([flags | 2]) + len(data).to_bytes(8, "big") + data
-    return bytes([flags, len(data)]) + data
-
-
-_GREETING = b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x01" + bytes(31)
-_READY = _frame(b"\x05READY\x0bSocket-Type\x00\x00\x00\x03PUB", 4)  # a command: name, then metadata
-_SUB_TYPE = re.compile(rb"\x0bsocket-type\x00\x00\x00(?:\x03SUB|\x04XSUB)", re.IGNORECASE)  # in a peer's READY
-
-
-@dataclass(eq=False)
-class _Peer:
-    """One connection's ZMTP state: bytes not parsed yet, its handshake, its subscriptions, what it is sent."""
-
-    limits: tuple[bytes, int, int]  # our topic, the largest frame taken, max_subscriptions
-    since: float = field(default_factory=time.monotonic)
-    quiet: float = field(default_factory=time.monotonic)  # since when it holds no subscription to our topic
-    at: float = field(default_factory=time.monotonic)  # when it last sent
-    budget: float = _BURST_BYTES  # bytes it may send now (a token bucket)
-    buf: bytearray = field(default_factory=bytearray)
-    greeted: bool = False
-    ready: bool = False
-    topics: set[bytes] = field(default_factory=set)  # its subscriptions that match our topic
-    others: int = 0  # its other subscriptions, only counted
-    closing: bool = False  # dropped, but its connection is not closed yet
-    out: deque[tuple[bytes, bool]] = field(default_factory=deque)  # to send it: (ZMTP bytes, whether a batch)
-    offset: int = 0  # bytes of out[0] sent already
-    queued: int = 0  # bytes in out not sent yet
-    retry_at: float = 0.0  # when to try again after ZMQ refused a chunk
-    backoff: float = _RETRY_S
-
-    def feed(self, data: bytes) -> bytes:
-        """Take bytes the peer sent; return what to answer. A :class:`WireError` means: disconnect it."""
-        now, buf, out = time.monotonic(), self.buf, b""
-        self.budget = min(_BURST_BYTES, self.budget + (now - self.at) * _RATE_BYTES) - len(data)
-        if self.budget < 0:
-            raise WireError(f"sending over {_RATE_BYTES} bytes/s (a subscriber sends a few bytes)")
-        self.at = now
-        buf.extend(data)
-        if not self.greeted:
-            if buf[0] != 0xFF or (len(buf) >= 10 and not buf[9] & 1):
-                raise WireError("not a ZMTP peer")
-            if len(buf) < 64:
-                return out
-            if buf[10] < 3 or bytes(buf[12:32]).rstrip(b"\x00") != b"NULL":
-                raise WireError("not a ZMTP 3 peer with the NULL mechanism")
-            del buf[:64]
-            self.greeted, out = True, _READY
-        while len(buf) >= 2:
-            flags, head = buf[0], 9 if buf[0] & 2 else 2
-            if flags & ~0x07:
-                raise WireError(f"bad frame flags {flags:#x}")
-            size = int.from_bytes(buf[1:head], "big") if len(buf) >= head else 0
-            if size > self.limits[1]:
-                raise WireError(f"a {size}-byte frame exceeds the {self.limits[1]}-byte bound")
-            if len(buf) < head + size:
-                break
-            body = bytes(buf[head : head + size])
-            del buf[: head + size]
-            if flags & 4:
-                out += self._command(body)
-            elif not self.ready:
-                raise WireError("a message before READY")
-            elif body[:1] in (b"\x00", b"\x01"):
-                self._subscribe(body[:1] == b"\x01", body[1:])
-        return out
-
-    def _command(self, body: bytes) -> bytes:
-        name = body[1 : 1 + body[0]] if body else b""
-        rest = body[1 + len(name) :]
-        if not self.ready:
-            if name != b"READY" or not _SUB_TYPE.search(rest):
-                raise WireError("a READY command from a SUB or XSUB socket was expected")
-            self.ready = True
-        elif name == b"PING":  # a heartbeat: answered with its context
-            return _frame(b"\x04PONG" + rest[2:18], 4)
-        elif name in (b"SUBSCRIBE", b"CANCEL"):  # as ZMTP 3.1 peers send them
-            self._subscribe(name == b"SUBSCRIBE", rest)
-        return b""
-
-    def _subscribe(self, on: bool, prefix: bytes) -> None:
-        topic, _, max_subscriptions = self.limits
-        if topic.startswith(prefix):
-            subscribed = bool(self.topics)
-            (self.topics.add if on else self.topics.discard)(prefix)
-            if subscribed and not self.topics:
-                self.quiet = time.monotonic()
-        else:
-            self.others = max(0, self.others + (1 if on else -1))
-        if len(self.topics) + self.others > max_subscriptions:
-            raise WireError(f"more than max_subscriptions={max_subscriptions} subscriptions")
 
 
 class KVEventPublisher:
@@ -477,104 +367,3 @@ class KVEventPublisher:
         except zmq.ZMQError:
             pass  # gone already
         del self._peers[peer_id]
-
-
-@dataclass(frozen=True, slots=True)
-class SequenceGap:
-    """Batches of one publisher a subscriber never received: ``expected`` up to ``received - 1``."""
-
-    engine_id: str
-    expected: int
-    received: int
-
-    @property
-    def missed(self) -> int:
-        """How many batches are missing."""
-        return self.received - self.expected
-
-
-@dataclass(frozen=True, slots=True)
-class ReceivedBatch:
-    """One decoded batch and the gap (if any) just before it."""
-
-    batch: KVEventBatch
-    gap: SequenceGap | None
-
-    @property
-    def events(self) -> tuple[KVEvent, ...]:
-        """The batch's events, in order."""
-        return self.batch.events
-
-
-class KVEventSubscriber:
-    """Connects a ZMQ SUB socket to a publisher, decodes batches with the generated codec and reports gaps.
-
-    Sequence numbers are tracked per ``engine_id``; a number lower than expected means the publisher restarted
-    (counted in :attr:`restarts`, not a gap). The first batch seen from a publisher starts its count. A frame
-    over ``max_message_bytes`` makes ZMQ drop the connection (it reconnects; the batch shows as a gap).
-    """
-
-    def __init__(
-        self,
-        endpoint: str,
-        *,
-        topic: bytes = DEFAULT_TOPIC,
-        context: zmq.Context[zmq.Socket[bytes]] | None = None,
-        hwm: int = 100_000,
-        max_message_bytes: int = SUBSCRIBER_MESSAGE_BYTES,
-    ) -> None:
-        _check_endpoint(endpoint, bind=False)
-        check_int("hwm", hwm, 1), check_int("max_message_bytes", max_message_bytes, 1)
-        self._ctx = context or zmq.Context.instance()
-        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
-        for option, value in ((zmq.RCVHWM, hwm), (zmq.MAXMSGSIZE, max_message_bytes), (zmq.LINGER, 0)):
-            self._sock.setsockopt(option, value)
-        self._sock.setsockopt(zmq.SUBSCRIBE, topic)
-        try:
-            self._sock.connect(endpoint)
-        except zmq.ZMQError as exc:
-            self._sock.close(0)
-            raise ConfigError(f"cannot connect to KV events endpoint {endpoint!r}: {exc}") from None
-        self._next: dict[str, int] = {}
-        self.gaps: list[SequenceGap] = []
-        """Every gap seen, in order."""
-        self.restarts = self.received = 0
-
-    @property
-    def missed(self) -> int:
-        """Total batches missed over all gaps."""
-        return sum(g.missed for g in self.gaps)
-
-    def recv(self, timeout_s: float | None = None) -> ReceivedBatch | None:
-        """The next batch, or None when nothing arrives within ``timeout_s`` (None: wait forever).
-
-        A message that is not a well-formed batch raises :class:`WireError` (or ``SchemaMismatchError``).
-        """
-        timeout_ms = None if timeout_s is None else max(0, int(timeout_s * 1000))
-        if not self._sock.poll(timeout_ms, zmq.POLLIN):
-            return None
-        frames = self._sock.recv_multipart(copy=True)
-        if len(frames) != 2:
-            raise WireError(f"a KV event message has 2 frames (topic, batch), got {len(frames)}")
-        batch = wire.decode([frames[1]]).expect(KVEventBatch)
-        self.received += 1
-        expected = self._next.get(batch.engine_id)
-        gap = None
-        if expected is not None:
-            if batch.seq > expected:
-                gap = SequenceGap(batch.engine_id, expected, batch.seq)
-                self.gaps.append(gap)
-            elif batch.seq < expected:
-                self.restarts += 1
-        self._next[batch.engine_id] = batch.seq + 1
-        return ReceivedBatch(batch, gap)
-
-    def close(self) -> None:
-        """Close the socket."""
-        self._sock.close(0)
-
-    def __enter__(self) -> KVEventSubscriber:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
