@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -22,10 +26,11 @@ from kvoffload import (
     TransferJob,
     WireError,
     WorkerError,
+    WorkerReport,
 )
 from kvoffload._packed import pack_int64
 from kvoffload.demo import DemoOptions, default_snapshot, run_demo, snapshot_with_overrides
-from kvoffload.demo.worker_hook import HOOK
+from kvoffload.demo.worker_hook import HOOK, DemoHook
 from kvoffload.offload.manager import HostBlockManager, LookupResult
 from kvoffload.offload.pool import (
     HostPool,
@@ -39,6 +44,7 @@ from kvoffload.offload.pool import (
 from kvoffload.offload.scheduler import OffloadScheduler
 from kvoffload.runtime._channel import Channel
 from kvoffload.runtime.cluster import WorkerCluster
+from kvoffload.runtime.hooks import WorkerContext
 from kvoffload.translate import translate_snapshot
 from tests.helpers import transfer_job
 
@@ -324,4 +330,94 @@ def test_demo_request_that_outgrows_the_engine_pool_is_refused_not_livelocked() 
     )
     with pytest.raises(ConfigError, match=r"request conv0-turn6 needs 34 engine blocks \(544 tokens\).*num_blocks=32"):
         run_demo(small_snapshot(), options, progress=False, max_steps=5000)
+    assert not mp.active_children()
+
+
+class FailsOnItsWayOut(DemoHook):
+    """The demo hook, failing where its options say for this rank (``"rank0": "finish"``): in ``finish`` (the
+    drain) or in ``close`` (after the final report went out)."""
+
+    def __init__(self, context: WorkerContext) -> None:
+        super().__init__(context)
+        self._fails_in = str(context.options.get(f"rank{context.rank}", ""))
+
+    def finish(self, report: WorkerReport) -> Sequence[bytes]:
+        if self._fails_in == "finish":
+            raise RuntimeError("the drain's probe failed on purpose")
+        return super().finish(report)
+
+    def close(self) -> None:
+        super().close()
+        if self._fails_in == "close":
+            raise RuntimeError("the hook's close failed on purpose")
+
+
+def test_close_reports_a_worker_that_fails_its_drain_and_one_that_fails_after_its_final_report() -> None:
+    """Failures at close reach the scheduler as failures in a step do: in newly_dead, with the reason."""
+    options = {"rank0": "finish", "rank1": "close"}
+    cluster = WorkerCluster(small_snapshot(), hook=f"{__name__}:FailsOnItsWayOut", hook_options=options)
+    cluster.start()
+    try:
+        r = cluster.step(plan(0), attachments())
+        assert r.newly_dead == ()
+    finally:
+        final = cluster.close()
+    assert final.newly_dead == (0, 1)
+    assert final.errors[0] == "worker 0 failed at step 0: RuntimeError: the drain's probe failed on purpose"
+    assert final.errors[1].startswith("worker 1 ") and "after its final report" in final.errors[1], final.errors
+    assert [rep.rank for rep in final.reports] == [1], "the final report sent before the failure is kept"
+    assert cluster.errors == final.errors
+    assert not mp.active_children()
+
+
+@pytest.mark.parametrize("duplex", [True, False], ids=["socket", "pipe"])
+def test_channel_send_with_a_deadline_gives_up_on_a_peer_that_reads_nothing(duplex: bool) -> None:
+    first, second = mp.Pipe(duplex=duplex)  # one-way: (read end, write end)
+    receiver, sender = Channel(first), Channel(second)
+    big = bytes(range(256)) * (12 * 1024)  # 3 MiB: far more than the pipe or socket buffers hold
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(receiver.recv(30.0)))
+    reader.start()
+    sender.send(Shutdown(reason="with a deadline"), [big, b"small"], timeout=30.0)  # framed as send_bytes does
+    reader.join(30.0)
+    (decoded,) = got
+    assert decoded.message == Shutdown(reason="with a deadline")  # type: ignore[attr-defined]
+    assert [bytes(a) for a in decoded.attachments] == [big, b"small"]  # type: ignore[attr-defined]
+    start = time.monotonic()
+    with pytest.raises(DeadlineError, match=r"the peer took no byte of Shutdown for 0\.5s"):
+        sender.send(Shutdown(), [big], timeout=0.5)  # nobody reads now
+    assert time.monotonic() - start < 30, "a hang test: the bound is generous"
+    with pytest.raises(WorkerError, match="an earlier send timed out mid-message"):
+        sender.send(Shutdown(), timeout=0.5)
+    for channel in (sender, receiver):
+        channel.close()
+
+
+def _resume(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+def test_a_stopped_worker_that_cannot_take_a_large_plan_is_given_up_by_worker_timeout_s() -> None:
+    """A plan whose attachments exceed the socket buffers of a SIGSTOPped worker: the send gives up after
+    worker_timeout_s, as the heartbeat would, instead of blocking until the worker is continued."""
+    with WorkerCluster(small_snapshot(), step_timeout_s=600, worker_timeout_s=2.0) as cluster:  # no hook
+        cluster.step(plan(0))
+        stopped = cluster.pids[1]
+        os.kill(stopped, signal.SIGSTOP)
+        wake = threading.Timer(30.0, _resume, (stopped,))  # a send without deadline fails this test, never hangs it
+        wake.start()
+        try:
+            start = time.monotonic()
+            r = cluster.step(plan(1), [bytes(2 * MiB)])
+            took = time.monotonic() - start
+        finally:
+            wake.cancel()
+        assert r.newly_dead == (1,), r.errors
+        assert r.errors[1] == "worker 1 took no byte of step 1's plan for 2s (worker_timeout_s): stopped or frozen"
+        assert took < 25, f"step took {took:.1f}s"
+        assert [rep.rank for rep in r.reports] == [0]
+        r = cluster.step(plan(2), [bytes(2 * MiB)])  # the live worker still takes large plans
+        assert r.newly_dead == () and [rep.rank for rep in r.reports] == [0]
+        assert cluster.close().newly_dead == ()
     assert not mp.active_children()

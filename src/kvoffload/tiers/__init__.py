@@ -41,16 +41,16 @@ from kvoffload.tiers._registry import register_tier_type
 
 if TYPE_CHECKING:
     from kvoffload.tiers._cascade import Tiering, TierStatsRow
-    from kvoffload.tiers._embedded import start_embedded_servers
+    from kvoffload.tiers._embedded import EmbeddedValkey, start_embedded_servers
     from kvoffload.tiers._raw import RawThroughput, TierVsRaw, compare_with_raw, raw_throughput
-    from kvoffload.tiers._valkey import EmbeddedValkey, ValkeyTier
+    from kvoffload.tiers._valkey import ValkeyTier
     from kvoffload.tiers._worker import TierWorker
 
 _LAZY = {
     "Tiering": "kvoffload.tiers._cascade",
     "TierStatsRow": "kvoffload.tiers._cascade",
     "start_embedded_servers": "kvoffload.tiers._embedded",
-    "EmbeddedValkey": "kvoffload.tiers._valkey",
+    "EmbeddedValkey": "kvoffload.tiers._embedded",
     "ValkeyTier": "kvoffload.tiers._valkey",
     "TierWorker": "kvoffload.tiers._worker",
     "RawThroughput": "kvoffload.tiers._raw",

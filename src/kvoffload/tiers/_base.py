@@ -8,114 +8,31 @@ copy engine, the tier worker and the tiers), so tier IO never blocks an engine s
 
 Faults never reach the engine as exceptions: a failing medium (disk full, server gone) marks the tier
 *unavailable* for a back-off interval (doubling up to ``max_backoff_s``); meanwhile lookups miss and stores
-are dropped (counted), then the next operation probes the medium again. A bad record is a miss, counted and
-deleted. :class:`TierBase` implements this bookkeeping once; a concrete tier writes ``_store_batch``,
-``_load_batch``, ``_exists_batch`` and ``_delete``.
+are dropped (counted), then the next operation probes the medium again. A medium made of parts (the nodes of a
+Valkey cluster) that loses one part fails only the keys that part holds (counted as unreachable), and the tier
+stays available. A bad record is a miss, counted and deleted. :class:`TierBase` implements this bookkeeping once;
+a concrete tier writes ``_store_batch``, ``_load_batch``, ``_exists_batch`` and ``_delete``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
 
 from kvoffload._ints import cdiv
 from kvoffload.errors import InvalidStateError, RecordError, TierError
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.scheduler import Direction
+from kvoffload.tiers._interface import SecondaryTier, TierIOResult, TierStats
 
 __all__ = ["SecondaryTier", "TierBase", "TierIOResult", "TierStats"]
 
-
-@dataclass(frozen=True, slots=True)
-class TierIOResult:
-    """A finished job on one tier (its IO; the wire's ``TierJobResult`` is per worker): which keys failed
-    (indices into the job's keys), which of them had a bad record (counted and deleted), bytes moved, seconds."""
-
-    job_id: int
-    direction: Direction
-    num_keys: int
-    failed: tuple[int, ...]
-    num_bytes: int
-    seconds: float
-    corrupt: tuple[int, ...] = ()
-
-    @property
-    def success(self) -> bool:
-        """True when every key of the job succeeded."""
-        return not self.failed
-
-
-@dataclass(slots=True)
-class TierStats:
-    """Counters of one tier instance since it was opened."""
-
-    stores: int = 0
-    stores_dropped: int = 0
-    store_failures: int = 0
-    loads: int = 0
-    load_hits: int = 0
-    load_misses: int = 0
-    corrupt_records: int = 0
-    lookups: int = 0
-    lookup_hits: int = 0
-    evictions: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
-    write_seconds: float = 0.0
-    read_seconds: float = 0.0
-    write_busy_seconds: float = 0.0
-    """Wall time during which at least one store job was in flight (jobs overlap: their seconds add up to more)."""
-    read_busy_seconds: float = 0.0
-    """Wall time during which at least one load job was in flight."""
-    unavailable_events: int = 0
-    available: bool = True
-    last_error: str = ""
-    extra: dict[str, float] = field(default_factory=dict)
-
-
-@runtime_checkable
-class SecondaryTier(Protocol):
-    """The interface every secondary tier (disk, Valkey, out-of-tree) offers to the tier workers."""
-
-    name: str
-
-    def submit_store(self, job_id: int, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> None:
-        """Start writing ``rows[i]`` as the record of ``keys[i]``; never blocks on the medium."""
-        ...
-
-    def submit_load(self, job_id: int, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> None:
-        """Start reading the record of ``keys[i]`` into the writable ``rows[i]`` (verified before success)."""
-        ...
-
-    def poll(self) -> list[TierIOResult]:
-        """Jobs finished since the last call."""
-        ...
-
-    def wait(self, job_ids: Sequence[int], timeout: float | None = None) -> bool:
-        """Block until the named jobs finished (True) or ``timeout`` passed (False)."""
-        ...
-
-    def lookup(self, keys: Sequence[OffloadKey]) -> list[bool]:
-        """Whether each key has a record (a miss when the tier is unavailable)."""
-        ...
-
-    @property
-    def available(self) -> bool:
-        """False while the tier backs off after a fault."""
-        ...
-
-    def stats(self) -> TierStats:
-        """A copy of the counters."""
-        ...
-
-    def close(self) -> None:
-        """Finish in-flight work and release threads, files and connections."""
-        ...
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -127,6 +44,7 @@ class _Job:
     pending: int
     failed: list[int] = field(default_factory=list)
     corrupt: list[int] = field(default_factory=list)
+    unreachable: list[int] = field(default_factory=list)
     num_bytes: int = 0
 
 
@@ -134,9 +52,11 @@ class TierBase:
     """Thread pools, job tracking, availability back-off and counters shared by the built-in tiers.
 
     Subclasses split a job into batches (``_batches``) that run on the read or write pool; each batch
-    returns per-item outcomes. An item outcome is the byte count on success, ``None`` for a miss and a
-    :class:`RecordError` for a corrupt record (deleted here); a :class:`TierError` raised by a batch marks
-    the tier unavailable and fails the batch's items.
+    returns per-item outcomes. An item outcome is the byte count on success, ``None`` for a miss, a
+    :class:`RecordError` for a corrupt record (deleted here) and any other :class:`TierError` for an item whose
+    part of the medium could not be reached while the rest answered (a failure; the tier stays available); a
+    :class:`TierError` raised by a batch marks the tier unavailable and fails the batch's items. Lookups
+    (``_exists_batch``) answer per key likewise: a bool, or a :class:`TierError` for an unreachable key.
     """
 
     name = "tier"
@@ -165,16 +85,19 @@ class TierBase:
         self._in_outage = False  # between a fault and the next success
         self._closed = False
         self._busy: dict[Direction, tuple[int, float]] = {}  # jobs in flight per direction, since when
+        self._warned_unchecked_mac = False
 
     # ------------------------------------------------------------------ to implement
 
-    def _store_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[int | None]:
+    def _store_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> Sequence[int | TierError | None]:
         raise NotImplementedError
 
-    def _load_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[int | RecordError | None]:
+    def _load_batch(
+        self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]
+    ) -> Sequence[int | RecordError | TierError | None]:
         raise NotImplementedError
 
-    def _exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
+    def _exists_batch(self, keys: Sequence[OffloadKey]) -> Sequence[bool | TierError]:
         raise NotImplementedError
 
     def _delete(self, key: bytes) -> None:
@@ -238,6 +161,24 @@ class TierBase:
                 self._in_outage = False
                 self._backoff_s = self._retry_backoff_s
 
+    def _describe(self) -> str:
+        """How log lines name this tier instance."""
+        return f"{self.name} tier"
+
+    def _note_unchecked_mac(self) -> None:
+        """A record carrying a MAC was read without a secret: one WARNING per tier instance, as its writers
+        authenticate records that this reader cannot check."""
+        with self._lock:
+            if self._warned_unchecked_mac:
+                return
+            self._warned_unchecked_mac = True
+        logger.warning(
+            "kvoffload: %s holds authenticated records (they carry a MAC) but this process has no %s: their MACs "
+            "are not checked; set the writers' secret in its environment",
+            self._describe(),
+            "KVOFFLOAD_RECORD_SECRET",
+        )
+
     # ------------------------------------------------------------------ jobs
 
     def submit_store(self, job_id: int, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> None:
@@ -279,12 +220,10 @@ class TierBase:
             pool.submit(self._run_batch, job, [keys[i] for i in part], [rows[i] for i in part], part.start)
 
     def _run_batch(self, job: _Job, keys: list[OffloadKey], rows: list[memoryview], offset: int) -> None:
-        outcomes: list[int | RecordError | None]
+        outcomes: list[int | RecordError | TierError | None]
         try:
-            outcomes = (
-                list(self._store_batch(keys, rows))
-                if job.direction is Direction.STORE
-                else self._load_batch(keys, rows)
+            outcomes = list(
+                self._store_batch(keys, rows) if job.direction is Direction.STORE else self._load_batch(keys, rows)
             )
             self._mark_up()
         except TierError as exc:
@@ -312,6 +251,9 @@ class TierBase:
                         st.load_hits += 1
                 else:
                     job.failed.append(offset + i)
+                    if isinstance(outcome, TierError) and not isinstance(outcome, RecordError):
+                        job.unreachable.append(offset + i)
+                        st.unreachable_keys += 1
                     if job.direction is Direction.STORE:
                         st.store_failures += 1
                     else:
@@ -347,6 +289,7 @@ class TierBase:
                         job.num_bytes,
                         seconds,
                         tuple(sorted(job.corrupt)),
+                        tuple(sorted(job.unreachable)),
                     )
                 )
                 self._done_cv.notify_all()
@@ -377,20 +320,25 @@ class TierBase:
     # ------------------------------------------------------------------ lookups, stats, lifetime
 
     def lookup(self, keys: Sequence[OffloadKey]) -> list[bool]:
-        """Whether each key has a record; all misses while unavailable or when the medium fails."""
+        """Whether each key has a record; all misses while unavailable or when the medium fails (and misses for
+        the keys of a part of it that cannot be reached)."""
         if not keys:
             return []
         if not self.available:
             return [False] * len(keys)
+        unreachable = 0
         try:
-            found = self._exists_batch(keys)
+            answers = self._exists_batch(keys)
             self._mark_up()
+            found = [not isinstance(a, TierError) and bool(a) for a in answers]
+            unreachable = sum(isinstance(a, TierError) for a in answers)
         except Exception as exc:  # a medium fault (OSError, the client's errors) is a miss, never an exception
             self._mark_down(exc)
             found = [False] * len(keys)
         with self._lock:
             self._stats.lookups += len(keys)
             self._stats.lookup_hits += sum(found)
+            self._stats.unreachable_keys += unreachable
         return found
 
     def delete(self, keys: Sequence[OffloadKey]) -> None:

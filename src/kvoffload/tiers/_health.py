@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from kvoffload._generated import FsTierConfig, SecondaryTierConfig, TieringConfig, ValkeyTierConfig
 from kvoffload.errors import ConfigError
 from kvoffload.tiers._base import SecondaryTier, TierBase
+from kvoffload.tiers._record import SECRET_ENV, record_secret
 
-__all__ = ["TierHealth", "TierStatsRow", "tier_is_healthy", "tier_type", "unusable_reason"]
+__all__ = ["TierHealth", "TierStatsRow", "shared_without_secret", "tier_is_healthy", "tier_type", "unusable_reason"]
 
 
 def tier_type(config: SecondaryTierConfig) -> str:
@@ -34,6 +35,16 @@ def unusable_reason(tier: SecondaryTier) -> str | None:
     if isinstance(tier, TierBase):
         return tier.probe()
     return None if tier.available else "the tier reports itself unavailable"
+
+
+def shared_without_secret(config: SecondaryTierConfig) -> bool:
+    """Whether ``config`` is a tier others can write (a Valkey server that is not this engine's private
+    embedded one) while this process has no record secret: its records are then not authenticated."""
+    if not isinstance(config, ValkeyTierConfig) or record_secret() is not None:
+        return False
+    from kvoffload.tiers._embedded import is_embedded_url
+
+    return not (config.url and is_embedded_url(config.url))
 
 
 def tier_is_healthy(tier: SecondaryTier) -> bool:
@@ -107,18 +118,27 @@ class TierHealth:
     def check_at_start(self, tiering: TieringConfig, lookup_tiers: list[list[SecondaryTier]]) -> list[str | None]:
         """Refuse to start on a tier that cannot be used now (a mistyped path, a server that is not there), in
         one line naming it, unless ``start_degraded`` asks to start anyway (a WARNING; it is retried later).
+        A shared tier without a record secret gets a WARNING too (see :func:`shared_without_secret`).
         Returns why each tier (config order) was unusable at start, None for a usable one."""
         reasons: list[str | None] = []
         for i, (config, per_rank) in enumerate(zip(tiering.secondary_tiers, lookup_tiers, strict=True)):
             reason = unusable_reason(per_rank[0]) if per_rank else None
             reasons.append(reason)
-            if reason is None:
-                continue
-            what = f"secondary_tiers[{i}] ({tier_type(config)}) is unusable: {reason}"
-            if not tiering.start_degraded:
-                raise ConfigError(f"{what} (set start_degraded to start without it)")
-            self._log.warning("%s; starting degraded (start_degraded), it is retried later", what)
-            self.down(i, reason, logged=True)
+            if reason is not None:
+                what = f"secondary_tiers[{i}] ({tier_type(config)}) is unusable: {reason}"
+                if not tiering.start_degraded:
+                    raise ConfigError(f"{what} (set start_degraded to start without it)")
+                self._log.warning("%s; starting degraded (start_degraded), it is retried later", what)
+                self.down(i, reason, logged=True)
+            if shared_without_secret(config):
+                self._log.warning(
+                    "kvoffload: secondary_tiers[%d] (%s) is shared and its records are not authenticated: %s is "
+                    "unset, so whoever can write the server can plant records this engine loads; set the same "
+                    "secret in every process that reads or writes the tier",
+                    i,
+                    tier_type(config),
+                    SECRET_ENV,
+                )
         return reasons
 
     def down(self, tier: int, reason: str, *, logged: bool = False) -> None:

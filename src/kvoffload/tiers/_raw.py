@@ -5,19 +5,24 @@ it should be compared with is its medium moving the same bytes without the tier:
 of the same record files and ``pwritev`` of the same bytes into fresh files of the same directory, with the
 tier's open flags and thread counts; for the Valkey tier, the client's pipelined GETs of the same keys and SETs of
 the same values, in the tier's batch size over its thread count. :func:`raw_throughput` measures that (the
-demo shows the tier's own figure as a share of it).
+demo shows the tier's own figure as a share of it). :func:`compare_with_raw` runs at the end of a run, when the
+tier may be failing: a probe that cannot run (a job of the tier failed, the medium refused the raw baseline's IO,
+a full disk) gives no comparison and logs a WARNING with the reason, never an exception.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import mmap
 import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+import valkey.exceptions
 
 from kvoffload._ints import round_up
 from kvoffload.offload.keys import OffloadKey
@@ -27,8 +32,12 @@ from kvoffload.tiers._valkey import ValkeyTier
 
 __all__ = ["RawThroughput", "TierVsRaw", "compare_with_raw", "raw_throughput"]
 
+logger = logging.getLogger(__name__)
+
 _PAGE = mmap.PAGESIZE
 _scratch = itertools.count()
+_IO_ERRORS = (OSError, valkey.exceptions.ValkeyError)
+"""What the media raise on an IO fault (a full disk, an unreachable server): the probe then gives no comparison."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +71,10 @@ class TierVsRaw:
 def compare_with_raw(tier: SecondaryTier, keys: Sequence[OffloadKey], row_bytes: int) -> TierVsRaw | None:
     """The tier's own loads of the records of ``keys`` (rows of ``row_bytes``) and stores of the same bytes under
     scratch keys (removed after), against :func:`raw_throughput` on the same records, interleaved; None for a
-    tier that is not built in or holds none of the records. Call it with no job of the tier in flight (it polls
-    the tier: results of other jobs would be lost)."""
-    if not isinstance(tier, TierBase) or row_bytes <= 0:
+    tier that is not built in or holds none of the records, and None with a WARNING naming the reason when the
+    probe cannot run (a job of the tier fails, an IO error of the raw baseline). Call it with no job of the tier
+    in flight (it polls the tier: results of other jobs would be lost)."""
+    if not isinstance(tier, FsTier | ValkeyTier) or row_bytes <= 0:
         return None
     keys = [k for k, found in zip(keys, tier.lookup(keys), strict=True) if found]
     if not keys:
@@ -84,6 +94,7 @@ def compare_with_raw(tier: SecondaryTier, keys: Sequence[OffloadKey], row_bytes:
                 if not mine_now:
                     raw = raw_throughput(tier, keys, repeats=1)
                     if raw is None:
+                        _no_comparison(tier, "its raw baseline found none of the records")
                         return None
                     raws.append(raw)
                     continue
@@ -98,17 +109,25 @@ def compare_with_raw(tier: SecondaryTier, keys: Sequence[OffloadKey], row_bytes:
                     seconds = time.perf_counter() - start
                     results = [r for r in tier.poll() if r.job_id == job]
                     if not results or results[0].failed:
+                        outcome = (
+                            f"failed for {len(results[0].failed)} of {len(keys)} records "
+                            f"({len(results[0].corrupt)} damaged)"
+                            if results
+                            else "reported no result"
+                        )
+                        _no_comparison(tier, f"its probe {'load' if is_load else 'store'} {outcome}")
                         return None
                     if is_load:
                         best_read, moved_read = min(best_read, seconds), results[0].num_bytes
                     else:
                         best_write, moved_write = min(best_write, seconds), results[0].num_bytes
                         tier.delete(scratch)
+    except _IO_ERRORS as exc:
+        _no_comparison(tier, f"its raw baseline failed: {type(exc).__name__}: {exc}")
+        return None
     finally:
         tier.delete(scratch)
-        del views
-        for r in rows:
-            r.close()
+        _unmap(rows, views)
     best_raw = RawThroughput(
         max(r.write_gbps for r in raws), max(r.read_gbps for r in raws), raws[0].records, raws[0].num_bytes
     )
@@ -116,9 +135,25 @@ def compare_with_raw(tier: SecondaryTier, keys: Sequence[OffloadKey], row_bytes:
     return TierVsRaw(mine, best_raw)
 
 
+def _no_comparison(tier: TierBase, reason: str) -> None:
+    """Say why the probe of ``tier`` gives no comparison (its caller returns None)."""
+    logger.warning("tier %s: no comparison with its raw baseline: %s", tier.name, reason)
+
+
+def _unmap(maps: Sequence[mmap.mmap], views: Sequence[memoryview]) -> None:
+    """Release the probe's rows. A failed job's batch can still hold views of them when ``wait`` returns (its
+    frames and errors are freed later, by the garbage collector): such a mapping stays until the last view goes."""
+    for view in views:
+        with contextlib.suppress(BufferError):
+            view.release()
+    for mapping in maps:
+        with contextlib.suppress(BufferError):
+            mapping.close()
+
+
 def raw_throughput(tier: SecondaryTier, keys: Sequence[OffloadKey], *, repeats: int = 3) -> RawThroughput | None:
     """The raw baseline of ``tier`` on the records of ``keys``, best of ``repeats`` (None: not a built-in tier,
-    or no record)."""
+    or no record); an IO error of the medium (a full disk) is raised, once its scratch files are removed."""
     if isinstance(tier, FsTier):
         return _fs_raw(tier, keys, repeats)
     if isinstance(tier, ValkeyTier):
@@ -192,8 +227,7 @@ def _fs_raw(tier: FsTier, keys: Sequence[OffloadKey], repeats: int) -> RawThroug
         write_s, write_bytes = _timed(tier.write_threads, write, len(found), repeats, remove)
     finally:
         remove()
-        for buf in bufs:
-            buf.close()
+        _unmap(bufs, [])
     return RawThroughput(write_bytes / write_s / 1e9, read_bytes / read_s / 1e9, len(found), read_bytes)
 
 

@@ -63,9 +63,15 @@ SECRET_ENV = "KVOFFLOAD_RECORD_SECRET"
 
 
 def record_secret() -> bytes | None:
-    """The MAC secret from :data:`SECRET_ENV`, or None (records are then checksummed, not authenticated)."""
-    value = os.environ.get(SECRET_ENV, "")
-    return value.encode() if value else None
+    """The MAC secret from :data:`SECRET_ENV`, or None (records are then checksummed, not authenticated).
+
+    Read as bytes where the platform has them (``os.environb``), so any byte string is a secret, UTF-8 or not.
+    """
+    if os.supports_bytes_environ:
+        value = os.environb.get(SECRET_ENV.encode(), b"")
+    else:  # Windows: the environment is text
+        value = os.environ.get(SECRET_ENV, "").encode("utf-8", "surrogatepass")
+    return value or None
 
 
 def _mac(secret: bytes, prefix: bytes, key: bytes, payload: Buffer) -> bytes:
@@ -113,6 +119,11 @@ class RecordHeader:
         """Bytes before the payload (fixed header plus key)."""
         return HEADER_SIZE + len(self.key)
 
+    @property
+    def authenticated(self) -> bool:
+        """Whether the record carries a MAC (its writer had a secret)."""
+        return self.mac != _NO_MAC
+
 
 def parse_header(buf: Buffer, *, expected_key: bytes, expected_len: int, expected_namespace: bytes) -> RecordHeader:
     """Parse and check the header at the start of ``buf`` against what the reader asked for.
@@ -149,7 +160,7 @@ def verify_payload(header: RecordHeader, payload: Buffer, *, secret: bytes | Non
     if payload_checksum(payload) != header.checksum:
         raise RecordError(f"record payload checksum mismatch for key {header.key.hex()}")
     if secret is not None:
-        if header.mac == _NO_MAC:
+        if not header.authenticated:
             raise RecordError(f"record of key {header.key.hex()} is not authenticated (it carries no MAC)")
         if not hmac.compare_digest(header.mac, _mac(secret, header.prefix, header.key, payload)):
             raise RecordError(f"record of key {header.key.hex()} has an invalid MAC (not written with this secret)")

