@@ -365,6 +365,7 @@ def test_packages_with_a_curated_all_hide_their_modules(package: str) -> None:
             "assembly",
             "demo",
             "errors",
+            "faults",
             "integrations",
             "metrics",
             "offload",

@@ -5,6 +5,7 @@ The public API is what this module exports (see ``__all__``): the schema types g
 and the torch worker backend. Importing kvoffload does not import torch: the torch-backed names
 (``HostPool``, ``CopyEngine``, ``OffloadWorker``, ``WorkerCluster``, ...) load on first use, so a
 scheduler process stays light; so do the metrics and KV event names (prometheus_client, pyzmq).
+``kvoffload.faults`` injects load faults for chaos tests (off unless ``KVOFFLOAD_FAULTS`` is set).
 """
 
 from typing import TYPE_CHECKING as _TYPE_CHECKING

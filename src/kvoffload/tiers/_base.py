@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from kvoffload._ints import cdiv
 from kvoffload.errors import InvalidStateError, RecordError, TierError
+from kvoffload.faults import active_faults
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.scheduler import Direction
 from kvoffload.tiers._interface import SecondaryTier, TierIOResult, TierStats
@@ -221,11 +222,18 @@ class TierBase:
 
     def _run_batch(self, job: _Job, keys: list[OffloadKey], rows: list[memoryview], offset: int) -> None:
         outcomes: list[int | RecordError | TierError | None]
+        faults = active_faults() if job.direction is Direction.LOAD else None
         try:
+            if faults is not None:
+                for i in faults.before_tier_load(len(keys)):
+                    self._delete(keys[i])
             outcomes = list(
                 self._store_batch(keys, rows) if job.direction is Direction.STORE else self._load_batch(keys, rows)
             )
             self._mark_up()
+            if faults is not None:
+                for i in faults.damaged_records(rows, [isinstance(o, int) for o in outcomes]):
+                    outcomes[i] = RecordError(f"record of key {keys[i].hex()} damaged (an injected fault)")
         except TierError as exc:
             self._mark_down(exc)
             outcomes = [None] * len(keys)

@@ -66,6 +66,8 @@ class _Tracked:
     sid: str
     known_blocks: list[int]
     known_hashes: int
+    loads_async: bool = False
+    """Its lookup hit loads between steps (vLLM holds it in WAITING_FOR_REMOTE_KVS until the load finishes)."""
 
 
 class _SchedulerHalf:
@@ -111,6 +113,8 @@ class _SchedulerHalf:
         }
         self._deferred_since: dict[str, float] = {}  # vLLM request id -> monotonic time of its first deferred lookup
         self.preemptions = 0
+        self.load_restarts = 0
+        """Requests tracked afresh after an asynchronous load of theirs failed (see ``_restart_after_failed_load``)."""
         self._closed = False
         # self_describing_kv_events: full payloads in the KV events (kv_cache_config names the groups' kinds)
         self._payloads = (
@@ -183,7 +187,8 @@ class _SchedulerHalf:
             return None, False
         self._end_deferral(request.request_id)
         # A hit within the step's sync_load_budget_bytes loads inside the step, as with load_mode='sync'.
-        return hit, bool(hit) and self.async_loads and not self.scheduler.is_sync_load(tracked.sid)
+        tracked.loads_async = bool(hit) and self.async_loads and not self.scheduler.is_sync_load(tracked.sid)
+        return hit, tracked.loads_async
 
     def allocated(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tracked = self.track(request)
@@ -265,9 +270,24 @@ class _SchedulerHalf:
                 for result in report.results:
                     if result.num_bytes:
                         self._samples[STORE_SIZE if result.is_store else LOAD_SIZE].append(result.num_bytes)
-            self.scheduler.on_worker_reports(reports)
+            outcome = self.scheduler.on_worker_reports(reports)
             if self._payloads is not None:
                 self._payloads.on_reports(reports)
+            for sid in outcome.failed_loads:
+                self._restart_after_failed_load(sid)
+
+    def _restart_after_failed_load(self, sid: str) -> None:
+        """An asynchronous load of ``sid`` failed: vLLM recomputes from its first invalid block, freeing every block
+        of the request when none before it is valid (it then looks the request up and allocates anew). The request
+        is tracked afresh the next time vLLM shows it, so no later load or store uses the block ids it held.
+        (A failed in-step load keeps the request's blocks: vLLM only rolls its computed tokens back.)"""
+        req_id = sid.rpartition("#")[0]
+        tracked = self._tracked.get(req_id)
+        if tracked is None or tracked.sid != sid or not tracked.loads_async:
+            return
+        self.load_restarts += 1
+        self._tracked.pop(req_id)
+        self.scheduler.abort_request(sid)
 
     def close(self) -> None:
         """Log the run's summary once, then release the tiers."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from kvoffload._generated import JobResult, StepPlan, TransferJob, WorkerReport
 from kvoffload._packed import Int64Array
 from kvoffload.errors import KVOffloadError
+from kvoffload.faults import active_faults
 from kvoffload.offload._direction import Direction
 from kvoffload.offload.worker.copy import CopyEngine, CopyJob
 
@@ -82,8 +83,11 @@ class OffloadWorker:
         chained: list[TransferJob] = []
         layered: list[TransferJob] = []
         layerwise = self.layerwise
+        faults = active_faults()  # None unless a test or a chaos run turned fault injection on
         for job in plan.load_jobs:
-            if promoted and not promoted.isdisjoint(Int64Array.from_buffer(job.chunk_ids).tolist()):
+            if faults is not None and faults.fail_host_load():
+                self._fail(job, Direction.LOAD, "an injected fault (KVOFFLOAD_FAULTS): the load copied nothing", 0.0)
+            elif promoted and not promoted.isdisjoint(Int64Array.from_buffer(job.chunk_ids).tolist()):
                 chained.append(job)  # it reads chunks a promotion of this plan writes: after the promotion
             elif layerwise is not None and layerwise.takes(job):
                 layered.append(job)
