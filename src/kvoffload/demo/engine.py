@@ -174,8 +174,9 @@ class DemoEngine:
             report_failed = self.sched.fail_in_flight()
             self.result.failed_jobs += len(report_failed.failed_loads) + len(report_failed.failed_stores)
         self.result.failed_jobs += len(report.failed_loads) + len(report.failed_stores)
-        # A failed load means the engine recomputes those tokens.
-        for req_id in report.failed_loads:
+        self.result.tier_missed_loads += len(report.tier_missed_loads)
+        # A failed load, or one that missed on a tier, means the engine recomputes those tokens.
+        for req_id in report.recompute:
             req = self.running.get(req_id)
             if req is not None:
                 self.result.tokens_loaded -= req.loaded

@@ -23,6 +23,8 @@ class DemoResult:
     blocks_verified: int = 0
     mismatched_blocks: list[int] = field(default_factory=list)
     failed_jobs: int = 0
+    tier_missed_loads: int = 0
+    """Loads that found a promotion they read failed or late: recomputed, a miss (not a failed job)."""
     dead_workers: list[int] = field(default_factory=list)
     worker_errors: dict[int, str] = field(default_factory=dict)
     deferred_lookups: int = 0
@@ -97,6 +99,7 @@ def render_result(result: DemoResult) -> str:
         *_tier_rows(result),
         ("reloaded blocks verified byte for byte", f"{result.blocks_verified}"),
         ("mismatched blocks", f"{len(result.mismatched_blocks)}"),
+        ("loads missed on a tier (recomputed)", f"{result.tier_missed_loads}"),
         ("failed jobs / dead workers", f"{result.failed_jobs} / {len(result.dead_workers)}"),
         ("wall time", f"{result.wall_seconds:.1f}s"),
     ]

@@ -273,7 +273,7 @@ class _SchedulerHalf:
             outcome = self.scheduler.on_worker_reports(reports)
             if self._payloads is not None:
                 self._payloads.on_reports(reports)
-            for sid in outcome.failed_loads:
+            for sid in outcome.recompute:
                 self._restart_after_failed_load(sid)
 
     def _restart_after_failed_load(self, sid: str) -> None:
@@ -369,6 +369,7 @@ def shutdown_line(stats: SchedulerStats, tiers: Sequence[TierStatsRow] = ()) -> 
         f"kvoffload: shutting down: stored {stats.chunks_stored} chunks ({stats.tokens_stored} tokens), loaded "
         f"{stats.chunks_loaded} chunks ({stats.tokens_loaded} tokens); {stats.lookups} lookups, "
         f"{stats.lookup_hits} hits, {stats.lookups_deferred} re-asks; failed loads {stats.failed_loads}, "
+        f"loads missed on a tier {stats.tier_missed_loads}, "
         f"failed stores {stats.failed_stores}, corrupt loads {stats.corrupt_loads}"
     )
     for row in tiers:

@@ -38,6 +38,7 @@ class Reports:
         finished: list[str] = []
         failed_loads: list[str] = []
         failed_stores: list[str] = []
+        missed: list[str] = []
         for report in reports:
             for result in report.results:
                 job = self._book.jobs.get(result.job_id)
@@ -53,12 +54,14 @@ class Reports:
                 else:
                     stats.bytes_loaded += result.num_bytes
                     stats.load_seconds += result.seconds
-                job.failed = job.failed or not result.success
+                if not result.success:
+                    job.failed = True
+                    job.tier_miss = job.tier_miss and result.tier_miss
                 job.pending -= 1
                 if job.pending > 0:
                     continue
-                self._complete(job, finished, failed_loads, failed_stores)
-        return ReportOutcome(tuple(finished), tuple(failed_loads), tuple(failed_stores))
+                self._complete(job, finished, failed_loads, failed_stores, missed)
+        return ReportOutcome(tuple(finished), tuple(failed_loads), tuple(failed_stores), tuple(missed))
 
     def _drop_corrupt(self, job: JobState, chunk_ids: list[int]) -> None:
         """A worker found chunks of this load corrupt: drop their keys so they are never served again."""
@@ -78,14 +81,18 @@ class Reports:
         finished: list[str] = []
         failed_loads: list[str] = []
         failed_stores: list[str] = []
+        missed: list[str] = []
         for job_id in list(job_ids):
             job = self._book.jobs.get(job_id)
             if job is not None:
                 job.failed = True
-                self._complete(job, finished, failed_loads, failed_stores)
-        return ReportOutcome(tuple(finished), tuple(failed_loads), tuple(failed_stores))
+                job.tier_miss = False
+                self._complete(job, finished, failed_loads, failed_stores, missed)
+        return ReportOutcome(tuple(finished), tuple(failed_loads), tuple(failed_stores), tuple(missed))
 
-    def _complete(self, job: JobState, finished: list[str], failed_loads: list[str], failed_stores: list[str]) -> None:
+    def _complete(
+        self, job: JobState, finished: list[str], failed_loads: list[str], failed_stores: list[str], missed: list[str]
+    ) -> None:
         del self._book.jobs[job.job_id]
         req = self._book.requests.get(job.req_id)
         if job.is_store:
@@ -102,7 +109,10 @@ class Reports:
                 self._on_store_completed(job.keys)
         else:
             self._book.release_load(job)
-            if job.failed:
+            if job.failed and job.tier_miss:
+                self._stats.tier_missed_loads += 1
+                missed.append(job.req_id)
+            elif job.failed:
                 self._stats.failed_jobs += 1
                 self._stats.failed_loads += 1
                 failed_loads.append(job.req_id)

@@ -11,11 +11,18 @@ __all__ = ["ReportOutcome", "SchedulerStats"]
 
 @dataclass(frozen=True, slots=True)
 class ReportOutcome:
-    """What worker reports completed: requests whose loads finished (ready to run) or failed (recompute)."""
+    """What worker reports completed: requests whose loads finished (ready to run), failed or missed on a tier
+    (a promotion they read failed or was late): both recompute."""
 
     finished_loads: tuple[str, ...]
     failed_loads: tuple[str, ...]
     failed_stores: tuple[str, ...]
+    tier_missed_loads: tuple[str, ...] = ()
+
+    @property
+    def recompute(self) -> tuple[str, ...]:
+        """Requests whose load copied nothing usable: failed or missed on a tier."""
+        return self.failed_loads + self.tier_missed_loads
 
 
 @dataclass(slots=True)
@@ -60,6 +67,9 @@ class SchedulerStats:
     """Chunks dropped as corrupt by load reports (integrity) or through :meth:`OffloadScheduler.forget_chunk`."""
     failed_loads: int = 0
     failed_stores: int = 0
+    tier_missed_loads: int = 0
+    """Load jobs that copied nothing because a promotion they read failed or was late (the request recomputes):
+    misses, not failures (not in ``failed_jobs`` or ``failed_loads``)."""
     chunks_loaded: int = 0
     """Chunks (one key per group) of completed load jobs."""
     chunks_stored: int = 0

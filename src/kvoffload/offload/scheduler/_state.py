@@ -45,6 +45,8 @@ class JobState:
     num_tokens: int
     blocks: tuple[int, ...]
     failed: bool = False
+    tier_miss: bool = True
+    """While failed: every failure reported was a tier miss (a promotion it reads failed), so far."""
     stale: bool = False
     reported: set[int] = field(default_factory=set)
     chunk_keys: dict[int, OffloadKey] = field(default_factory=dict)  # loads: chunk id -> key (integrity)

@@ -86,7 +86,7 @@ class OffloadWorker:
         faults = active_faults()  # None unless a test or a chaos run turned fault injection on
         for job in plan.load_jobs:
             if faults is not None and faults.fail_host_load():
-                self._fail(job, Direction.LOAD, "an injected fault (KVOFFLOAD_FAULTS): the load copied nothing", 0.0)
+                self._fail(job, Direction.LOAD, "an injected fault (KVOFFLOAD_FAULTS): the load copied nothing")
             elif promoted and not promoted.isdisjoint(Int64Array.from_buffer(job.chunk_ids).tolist()):
                 chained.append(job)  # it reads chunks a promotion of this plan writes: after the promotion
             elif layerwise is not None and layerwise.takes(job):
@@ -192,17 +192,21 @@ class OffloadWorker:
         tiers = self.tiers
         if tiers is None or not tiers.promotes:
             for job in jobs:
-                self._fail(job, Direction.LOAD, "chained to a promotion another rank runs (a shared pool)", 0.0)
+                self._fail(
+                    job, Direction.LOAD, "chained to a promotion another rank runs (a shared pool)", tier_miss=True
+                )
             return []
         if not tiers.wait_for_promotions():
             for job in jobs:
-                self._fail(job, Direction.LOAD, "a promotion it reads did not finish within promotion_wait_s", 0.0)
+                late = "a promotion it reads did not finish within promotion_wait_s"
+                self._fail(job, Direction.LOAD, late, tier_miss=True)
             return []
         failed = tiers.failed_promotion_chunks()
         layered: list[TransferJob] = []
         for job in jobs:
             if failed and not failed.isdisjoint(Int64Array.from_buffer(job.chunk_ids).tolist()):
-                self._fail(job, Direction.LOAD, "a promotion it reads failed (its tier record is missing or bad)", 0.0)
+                failed_promotion = "a promotion it reads failed (its tier record is missing or bad)"
+                self._fail(job, Direction.LOAD, failed_promotion, tier_miss=True)
             elif self.layerwise is not None and self.layerwise.takes(job):
                 layered.append(job)
             else:
@@ -223,7 +227,11 @@ class OffloadWorker:
             return
         self._in_flight.add(job.job_id)
 
-    def _fail(self, job: TransferJob, direction: Direction, error: str, seconds: float) -> None:
+    def _fail(
+        self, job: TransferJob, direction: Direction, error: str, seconds: float = 0.0, *, tier_miss: bool = False
+    ) -> None:
+        """Report ``job`` failed without copying (``tier_miss``: it reads chunks a failed or late promotion never
+        wrote, so the scheduler counts a tier miss, not a failure)."""
         self._failed.append(
             JobResult(
                 job_id=job.job_id,
@@ -232,5 +240,6 @@ class OffloadWorker:
                 num_bytes=0,
                 seconds=seconds,
                 error=error,
+                tier_miss=tier_miss,
             )
         )
