@@ -75,3 +75,5 @@ def test_damaged_disk_records_are_tier_misses_not_failures(tmp_path: Path, capsy
     assert _value(out, "mismatched blocks") == "0" and "ok:" in out
     assert _value(out, "failed jobs / dead workers") == "0 / 0"
     assert int(_value(out, "loads missed on a tier (recomputed)")) > 0, out
+    # as vLLM does, each request whose load missed was freed and admitted again
+    assert int(_value(out, "requests admitted again after a failed load")) > 0, out

@@ -4,6 +4,11 @@
 block pool lasts (asking the offload scheduler how many prompt tokens the host pool holds), sends each step's
 plan to the workers with the blocks to fill (computed this step) and to verify (loaded this step), and decodes
 a few tokens per request. The workers' hook (:mod:`kvoffload.demo.worker_hook`) does the filling and checking.
+
+A failed load is handled as vLLM handles a failed asynchronous load with ``kv_load_failure_policy="recompute"``:
+the request's blocks are freed, it goes back to the head of the waiting queue, and it is looked up and allocated
+anew (under a fresh scheduler id). The loaded blocks are checked at the engine's own block ids, so a load or store
+that still used the ids a request held before its restart is caught as mismatched blocks.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from kvoffload._generated import EngineSnapshot, OffloadingConfig, StepPlan
-from kvoffload._packed import Int32Array, Int64Array
+from kvoffload._packed import Int32Array
 from kvoffload.assembly import build_scheduler
 from kvoffload.demo.report import DemoResult
 from kvoffload.demo.sim_engine import block_seed
@@ -67,7 +72,6 @@ class DemoEngine:
         self.result = DemoResult(host_chunks=self.num_chunks)
         self.any_dead = False
         self.registered: set[str] = set()
-        self.refill: list[tuple[Request, int, int]] = []
 
     def seed_of(self, req: Request, group: int, block: int) -> int:
         per_block = self.groups[group].tokens_per_block // self.tph
@@ -89,10 +93,10 @@ class DemoEngine:
         skipped: list[Request] = []
         while self.waiting and len(self.running) < self.options.max_running and budget > 0:
             req = self.waiting[0]
-            if req.req_id not in self.registered:
-                self.sched.add_request(req.req_id, req.hashes, req.prompt_len)
-                self.registered.add(req.req_id)
-            hit = self.sched.lookup(req.req_id, 0)
+            if req.sid not in self.registered:
+                self.sched.add_request(req.sid, req.hashes, req.prompt_len)
+                self.registered.add(req.sid)
+            hit = self.sched.lookup(req.sid, 0)
             if hit is None:  # as vLLM: the request waits (tier query, promotion) and the next one is tried
                 self.result.deferred_lookups += 1
                 skipped.append(self.waiting.popleft())
@@ -107,7 +111,7 @@ class DemoEngine:
                 )
             blocks = self.pool.allocate(sum(need))
             if blocks is None:
-                self.sched.on_blocks_allocated(req.req_id, [[] for _ in self.groups])  # release the pins
+                self.sched.on_blocks_allocated(req.sid, [[] for _ in self.groups])  # release the pins
                 break
             self.waiting.popleft()
             split, at = [], 0
@@ -116,11 +120,12 @@ class DemoEngine:
                 at += n
             req.blocks = split
             req.loaded = hit
-            self.sched.on_blocks_allocated(req.req_id, split, num_external_tokens=hit)
-            self.running[req.req_id] = req
-            self.result.requests += 1
+            self.sched.on_blocks_allocated(req.sid, split, num_external_tokens=hit)
+            self.running[req.sid] = req
+            if not req.attempt:
+                self.result.requests += 1
+                self.result.prompt_tokens += req.prompt_len
             self.result.requests_with_hit += hit > 0
-            self.result.prompt_tokens += req.prompt_len
             self.result.tokens_loaded += hit
             req.num_computed = hit
             last = min(req.prompt_len, hit + budget)
@@ -139,24 +144,22 @@ class DemoEngine:
         return flat
 
     def verify_entries(self, plan: StepPlan) -> list[int]:
+        """``(job, group, block, seed)`` for every block a load job fills, at the block id the engine holds for
+        that position (not the job's), so a load into blocks the request no longer holds is caught."""
         flat: list[int] = []
         for job in plan.load_jobs:
             req = self.running[job.req_id]
-            ids = Int64Array.from_buffer(job.block_ids).tolist()
             sizes = Int32Array.from_buffer(job.group_sizes).tolist()
             starts = Int32Array.from_buffer(job.block_indices).tolist()
-            at = 0
             for g, (size, start) in enumerate(zip(sizes, starts, strict=True)):
-                for i in range(size):
-                    flat += (job.job_id, g, ids[at + i], self.seed_of(req, g, start + i))
-                at += size
+                for i in range(start, start + size):
+                    flat += (job.job_id, g, req.blocks[g][i], self.seed_of(req, g, i))
         return flat
 
     def step(self, cluster: WorkerCluster) -> None:
         computes = self.admit()
         plan = self.sched.build_step_plan()
-        refill, self.refill = self.refill, []
-        fill = self.fill_entries(refill + computes)
+        fill = self.fill_entries(computes)
         verify = self.verify_entries(plan)
         outcome = cluster.step(plan, step_attachments(fill, verify))
         self.result.steps += 1
@@ -175,22 +178,34 @@ class DemoEngine:
             self.result.failed_jobs += len(report_failed.failed_loads) + len(report_failed.failed_stores)
         self.result.failed_jobs += len(report.failed_loads) + len(report.failed_stores)
         self.result.tier_missed_loads += len(report.tier_missed_loads)
-        # A failed load, or one that missed on a tier, means the engine recomputes those tokens.
-        for req_id in report.recompute:
-            req = self.running.get(req_id)
-            if req is not None:
-                self.result.tokens_loaded -= req.loaded
-                self.result.tokens_recomputed += req.loaded
-                self.refill.append((req, 0, req.loaded))
+        # A failed load, or one that missed on a tier: the engine frees the request's blocks and admits it again.
+        restarted = [req for sid in report.recompute if (req := self.running.get(sid)) is not None]
+        for req in restarted:
+            self._restart(req)
         for req, first, last in computes:
             self.result.tokens_recomputed += last - first
+            if any(req is r for r in restarted):
+                continue  # computed on top of a failed load: thrown away, computed again after its new admission
             req.num_computed = last
-            self.sched.on_tokens_computed(req.req_id, last)
+            self.sched.on_tokens_computed(req.sid, last)
         for req in list(self.running.values()):
             if req.num_computed < req.prompt_len or any(req is c[0] for c in computes):
                 continue
             self._decode(req)
         self.observe()
+
+    def _restart(self, req: Request) -> None:
+        """vLLM's handling of a failed asynchronous load that left no valid block before the first invalid one:
+        the request's blocks are freed and it waits again at the head of the queue, under a fresh scheduler id."""
+        self.result.load_restarts += 1
+        self.result.tokens_loaded -= req.loaded
+        self.result.requests_with_hit -= req.loaded > 0
+        self.sched.abort_request(req.sid)
+        del self.running[req.sid]
+        self.pool.release([b for blocks in req.blocks for b in blocks])
+        req.blocks, req.loaded, req.num_computed = [], 0, 0
+        req.attempt += 1
+        self.waiting.appendleft(req)
 
     def observe(self, *, final: bool = False) -> None:
         """Publish this step's KV events and bring the metrics up to date (rate-limited unless ``final``)."""
@@ -210,11 +225,11 @@ class DemoEngine:
             parent=req.hashes[-1] if req.hashes else None,
         )
         req.hashes.extend(new_hashes)
-        self.sched.extend_request(req.req_id, new_hashes, len(req.tokens))
-        self.sched.on_tokens_computed(req.req_id, len(req.tokens))
+        self.sched.extend_request(req.sid, new_hashes, len(req.tokens))
+        self.sched.on_tokens_computed(req.sid, len(req.tokens))
         if req.decode_left == 0:
-            self.sched.finish_request(req.req_id)
-            del self.running[req.req_id]
+            self.sched.finish_request(req.sid)
+            del self.running[req.sid]
             self.pool.release([b for blocks in req.blocks for b in blocks])
             self.workload.finished(req)
 
@@ -224,6 +239,5 @@ class DemoEngine:
             self.workload.issued >= self.options.requests
             and not self.waiting
             and not self.running
-            and not self.refill
             and not self.sched.has_pending_work()
         )

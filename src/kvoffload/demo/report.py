@@ -25,6 +25,8 @@ class DemoResult:
     failed_jobs: int = 0
     tier_missed_loads: int = 0
     """Loads that found a promotion they read failed or late: recomputed, a miss (not a failed job)."""
+    load_restarts: int = 0
+    """Requests admitted again after a failed load or tier miss: blocks freed, looked up and allocated anew."""
     dead_workers: list[int] = field(default_factory=list)
     worker_errors: dict[int, str] = field(default_factory=dict)
     deferred_lookups: int = 0
@@ -100,6 +102,7 @@ def render_result(result: DemoResult) -> str:
         ("reloaded blocks verified byte for byte", f"{result.blocks_verified}"),
         ("mismatched blocks", f"{len(result.mismatched_blocks)}"),
         ("loads missed on a tier (recomputed)", f"{result.tier_missed_loads}"),
+        ("requests admitted again after a failed load", f"{result.load_restarts}"),
         ("failed jobs / dead workers", f"{result.failed_jobs} / {len(result.dead_workers)}"),
         ("wall time", f"{result.wall_seconds:.1f}s"),
     ]

@@ -81,6 +81,13 @@ class Request:
     blocks: list[list[int]] = field(default_factory=list)
     num_computed: int = 0
     loaded: int = 0
+    attempt: int = 0
+    """Admissions that ended in a failed load (the engine freed its blocks and admitted it again)."""
+
+    @property
+    def sid(self) -> str:
+        """The id the offload scheduler knows this admission by: a fresh one after each failed load."""
+        return self.req_id if not self.attempt else f"{self.req_id}#retry{self.attempt}"
 
 
 class BlockPool:
