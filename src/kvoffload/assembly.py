@@ -46,16 +46,9 @@ if TYPE_CHECKING:
 
 __all__ = ["WorkerParts", "build_scheduler", "build_worker", "decode_extra_config", "tiering_of"]
 
-_TIER_KEYS = frozenset(
-    {
-        "secondary_tiers",
-        "backpressure",
-        "tier_poll_interval_s",
-        "start_degraded",
-        "tier_lookup_timeout_s",
-        "promotion_wait_s",
-    }
-)
+_TIERING_FIELDS = tuple(field.name for field in msgspec.structs.fields(TieringConfig))
+"""The tier keys of ``kv_connector_extra_config``: every field of TieringConfig, which VLLMConnectorConfig repeats."""
+_TIER_KEYS = frozenset(_TIERING_FIELDS)
 
 
 def decode_extra_config(extra: Mapping[str, object]) -> VLLMConnectorConfig:
@@ -72,27 +65,12 @@ def decode_extra_config(extra: Mapping[str, object]) -> VLLMConnectorConfig:
     except msgspec.ValidationError as exc:
         raise ConfigError(f"kv_connector_extra_config: {exc}") from None
     tiering = tiering_config_from_extra(extra)
-    return msgspec.structs.replace(
-        options,
-        secondary_tiers=tiering.secondary_tiers,
-        backpressure=tiering.backpressure,
-        tier_poll_interval_s=tiering.tier_poll_interval_s,
-        start_degraded=tiering.start_degraded,
-        tier_lookup_timeout_s=tiering.tier_lookup_timeout_s,
-        promotion_wait_s=tiering.promotion_wait_s,
-    )
+    return msgspec.structs.replace(options, **{name: getattr(tiering, name) for name in _TIERING_FIELDS})
 
 
 def tiering_of(options: VLLMConnectorConfig) -> TieringConfig:
     """The tiers of decoded connector options, as the tiering code takes them."""
-    return TieringConfig(
-        secondary_tiers=options.secondary_tiers,
-        backpressure=options.backpressure,
-        tier_poll_interval_s=options.tier_poll_interval_s,
-        start_degraded=options.start_degraded,
-        tier_lookup_timeout_s=options.tier_lookup_timeout_s,
-        promotion_wait_s=options.promotion_wait_s,
-    )
+    return msgspec.structs.replace(TieringConfig(), **{name: getattr(options, name) for name in _TIERING_FIELDS})
 
 
 def build_scheduler(

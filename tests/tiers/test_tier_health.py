@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -120,10 +121,13 @@ def test_a_hung_valkey_server_costs_a_request_the_lookup_timeout_not_the_socket_
     valkey_server: ValkeyServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     """SIGSTOP the server: a request's lookup answers from the host pool after ``tier_lookup_timeout_s``
-    (tier_unavailable), later requests answer at once instead of queuing behind the hung query, and once the
-    server is continued the tier is back and serves the prefix."""
+    (tier_unavailable), later requests answer at once instead of queuing behind the hung query, the tier is down
+    once the query stayed unanswered for ``tier_down_after_s``, and once the server is continued the tier is back
+    and serves the prefix."""
     tier = ValkeyTierConfig(url=server_url(valkey_server), socket_timeout_s=30.0, n_read_threads=2, n_write_threads=2)
-    tiering = TieringConfig(secondary_tiers=(tier,), tier_poll_interval_s=0.0, tier_lookup_timeout_s=0.1)
+    tiering = TieringConfig(
+        secondary_tiers=(tier,), tier_poll_interval_s=0.0, tier_lookup_timeout_s=0.1, tier_down_after_s=0.5
+    )
     first = _Engine(tiering)
     try:
         first.compute("A", TOKENS, list(range(8)), seed=3)  # cascaded to the server
@@ -142,8 +146,12 @@ def test_a_hung_valkey_server_costs_a_request_the_lookup_timeout_not_the_socket_
         engine.sched.add_request("C", hash_token_blocks(TOKENS, 16), len(TOKENS))
         assert engine.sched.lookup("C", 0) == 0, "no new query behind the hung one: the answer comes at once"
         assert engine.sched.stats().lookup_miss_reasons == {MissReason.TIER_UNAVAILABLE: 2}
+        end = time.monotonic() + 10  # the hung query reaches tier_down_after_s; the next plan notices
+        while not _records(caplog, logging.WARNING, "is unavailable") and time.monotonic() < end:
+            engine.sched.build_step_plan()
+            time.sleep(0.02)
         down = _records(caplog, logging.WARNING, "secondary_tiers[0] (valkey) is unavailable")
-        assert len(down) == 1 and "tier_lookup_timeout_s=0.1" in down[0], down
+        assert len(down) == 1 and "tier_down_after_s=0.5" in down[0], down
     finally:
         os.kill(pid, signal.SIGCONT)
     try:
@@ -158,6 +166,75 @@ def test_a_hung_valkey_server_costs_a_request_the_lookup_timeout_not_the_socket_
         assert engine.tiering.stats[0].outages == 1
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_but_healthy_tier_is_not_declared_down(
+    valkey_server: ValkeyServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A busy host: the server answers a lookup late (stopped for 0.6 s, past ``tier_lookup_timeout_s`` but well
+    within ``tier_down_after_s``). The request whose lookup was late recomputes (a counted late lookup, one INFO
+    line); the tier is never declared down, and serves the next requests once the late query has answered."""
+    tier = ValkeyTierConfig(url=server_url(valkey_server), n_read_threads=2, n_write_threads=2)
+    tiering = TieringConfig(secondary_tiers=(tier,), tier_poll_interval_s=0.0, tier_lookup_timeout_s=0.1)
+    first = _Engine(tiering)
+    try:
+        first.compute("A", TOKENS, list(range(8)), seed=3)  # cascaded to the server
+    finally:
+        first.close()
+    engine = _Engine(tiering)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    pid = server_pid(valkey_server)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert _settle(engine.sched, "B", TOKENS) == 0, "its lookup was late: it recomputes"
+            time.sleep(0.5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # lookups answer at once while the late query still runs; once it has answered, the tier serves again
+        served, end = 0, time.monotonic() + 10
+        for attempt in range(1000):
+            engine.sched.add_request(f"C{attempt}", hash_token_blocks(TOKENS, 16), len(TOKENS))
+            served = engine.lookup(f"C{attempt}")
+            if served or time.monotonic() > end:
+                break
+            time.sleep(0.02)
+        assert served == 112, "the tier serves again without having been declared down"
+        assert engine.tiering.counters()["tier_lookups_late"] == 1
+        assert _records(caplog, logging.WARNING, "is unavailable") == []
+        assert len(_records(caplog, logging.INFO, "took longer than tier_lookup_timeout_s=0.1")) == 1
+        assert engine.tiering.stats[0].outages == 0 and engine.tiering.stats[0].available
+    finally:
+        engine.close()
+
+
+def test_the_lookup_thread_contacts_every_tier_at_start(tmp_path: Path) -> None:
+    """The tier query thread starts, and asks every tier once, while the scheduler is built: the first request's
+    lookup pays for neither."""
+    config = _config(workers=2)
+    tiering = TieringConfig(secondary_tiers=(FsTierConfig(root_dir=str(tmp_path)),))
+    before = {t.ident for t in threading.enumerate() if t.name.startswith("kvo-tier-lookup")}
+    sched, tiers = _scheduler(config, tiering)
+    try:
+        started = [t for t in threading.enumerate() if t.name.startswith("kvo-tier-lookup") and t.ident not in before]
+        assert len(started) == 1, "the query thread was not started at construction"
+        assert tiers.stats[0].available and tiers.stats[0].outages == 0
+    finally:
+        sched.close()
+
+
+def test_the_outage_bound_is_a_connector_key_and_must_be_positive(tmp_path: Path) -> None:
+    options = decode_extra_config({"cpu_bytes_to_use": 1 << 20, "tier_down_after_s": 12.5})
+    assert options.tier_down_after_s == 12.5 and tiering_of(options).tier_down_after_s == 12.5
+    assert decode_extra_config({"cpu_bytes_to_use": 1 << 20}).tier_down_after_s == 5.0
+    with pytest.raises(ConfigError, match="tier_down_after_s"):
+        decode_extra_config({"cpu_bytes_to_use": 1 << 20, "tier_down_after_s": 0})
+    config = _config(workers=1)
+    manager = HostBlockManager(plan_host_pool_from_config(config).num_chunks)
+    tiering = TieringConfig(secondary_tiers=(FsTierConfig(root_dir=str(tmp_path)),), tier_down_after_s=-1.0)
+    with pytest.raises(ConfigError, match="tier_down_after_s must be a number > 0"):
+        Tiering(config, manager, tiering)
 
 
 def test_the_lookup_timeout_is_a_connector_key_and_must_be_positive(tmp_path: Path) -> None:

@@ -49,5 +49,11 @@ TIERING_METRICS: dict[str, tuple[str, str | None, str]] = {
         "vllm:kv_offload_tiering_promotion_allocation_failures",
         "Promotions refused because the host pool had no room (the request recomputes).",
     ),
+    "tier_lookups_late": (
+        "tiering_lookups_late",
+        None,
+        "Tier lookups unanswered after tier_lookup_timeout_s: their requests recomputed what they asked for, the "
+        "tier stayed up (a busy host, not an outage).",
+    ),
 }
 """The tiering's own counters (:meth:`~kvoffload.tiers.Tiering.counters`) as metrics (no label)."""

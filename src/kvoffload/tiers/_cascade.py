@@ -91,7 +91,9 @@ class Tiering:
         namespaces = namespaces_for_all_ranks(config)
         self._ranks_reporting = config.parallel.world_size
         self._lookup_tiers: list[list[SecondaryTier]] = []
-        self._gate = LookupGate(self._lookup_tiers, tiering.tier_lookup_timeout_s)
+        self._gate = LookupGate(
+            self._lookup_tiers, tiering.tier_lookup_timeout_s, tiering.tier_down_after_s, log=self._log
+        )
         self.stats = [TierStatsRow(tier_type(t), index=i) for i, t in enumerate(tiering.secondary_tiers)]
         """What each tier did, in config order (with its availability as the scheduler sees it)."""
         self._health = TierHealth(self.stats, self._log)
@@ -126,6 +128,8 @@ class Tiering:
         self._fence: set[int] = set()  # stale tier jobs in flight since a reset
         self._counters = {"tier_lookups_retry": 0, "promotions_refused": 0, "tier_hits": 0}
         self._poll_s = tiering.tier_poll_interval_s
+        if any(reason is None for reason in self._unusable_at_start):
+            self._gate.warm(self._gate.down_after_s)
 
     def describe(self) -> list[str]:
         """One phrase per tier for a start line: kind, where, capacity, records a restart found (disk)."""
@@ -172,7 +176,7 @@ class Tiering:
                 self._counters["tier_lookups_retry"] += 1
                 return True
             del self._queries[req_id]  # past tier_lookup_timeout_s: the host pool answers, the tier misses
-            self._gate.abandon(query)
+            self._gate.abandon(query, late=True)
             self._mark_unreachable(req_id, query.keys)
             self._gate.watch(self._health)
             return False
@@ -429,8 +433,9 @@ class Tiering:
         return self.stats[tier].available and all(tier_is_healthy(t) for t in self._lookup_tiers[tier])
 
     def counters(self) -> dict[str, int]:
-        """Tier lookup counters: RETRY answers, promotions refused (host full), tier hits."""
-        return dict(self._counters)
+        """Tier lookup counters: RETRY answers, lookups past the timeout, promotions refused (host full), tier
+        hits."""
+        return {**self._counters, "tier_lookups_late": self._gate.late}
 
     def backpressure(self, tier: int) -> EMABackpressureDetector:
         """The backpressure detector of tier ``tier``."""

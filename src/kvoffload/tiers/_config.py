@@ -29,7 +29,9 @@ from kvoffload.tiers._registry import BUILTIN_TIER_TYPES, import_tier_class, reg
 
 __all__ = ["TIERING_KEYS", "open_tier", "tier_from_cli", "tiering_config_from_extra"]
 
-TIERING_KEYS = ("secondary_tiers", "backpressure", "tier_poll_interval_s")
+TIERING_KEYS = tuple(field.name for field in msgspec.structs.fields(TieringConfig))
+"""The tiering keys of ``kv_connector_extra_config``: the fields of TieringConfig."""
+_TOP_KEYS = tuple(key for key in TIERING_KEYS if key != "secondary_tiers")
 
 
 def _normalize_tier(i: int, raw: object) -> object:
@@ -83,11 +85,7 @@ def tiering_config_from_extra(extra: Mapping[str, object]) -> TieringConfig:
                 raise ConfigError(f"secondary_tiers[{i}] ({kind}): locality={tier.locality!r} is not LOCAL or REMOTE")
             tier = msgspec.structs.replace(tier, locality=tier.locality.upper())
         tiers.append(tier)
-    top: dict[str, object] = {
-        k: extra[k]
-        for k in ("backpressure", "tier_poll_interval_s", "start_degraded", "tier_lookup_timeout_s", "promotion_wait_s")
-        if k in extra
-    }
+    top: dict[str, object] = {k: extra[k] for k in _TOP_KEYS if k in extra}
     try:
         rest = msgspec.convert(top, TieringConfig, strict=False)
     except msgspec.ValidationError as exc:

@@ -1,13 +1,17 @@
-"""Tier lookups on one background thread, bounded in time (``tier_lookup_timeout_s``).
+"""Tier lookups on one background thread, bounded in time (``tier_lookup_timeout_s``, ``tier_down_after_s``).
 
 A request's query gets at most the timeout from its submission: past it the lookup answers from the host pool.
-While a query older than the timeout still runs (a hung server), no new query is queued behind it: lookups answer
-at once. Abandoned queries and recovery probes still finish on the thread; their outcomes are collected later,
-so a tier that comes back is noticed without a request paying for it.
+While a query older than the timeout still runs, no new query is queued behind it: lookups answer at once. A tier
+is declared down by evidence, not by the engine's own starvation: a lookup that failed, or one still unanswered
+after ``tier_down_after_s`` (a hung server); a query that is merely slower than the timeout (a busy host) costs its
+request a miss and nothing else. Abandoned queries and recovery probes still finish on the thread; their outcomes
+are collected later, so a tier that comes back is noticed without a request paying for it. :meth:`LookupGate.warm`
+makes the first contact from the thread at start, so no request pays for starting it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -66,11 +70,18 @@ def _ask(per_rank: Sequence[SecondaryTier], keys: Sequence[OffloadKey]) -> tuple
 class LookupGate:
     """The scheduler's tier query thread over ``tiers`` (per tier, one instance per rank namespace)."""
 
-    def __init__(self, tiers: Sequence[Sequence[SecondaryTier]], timeout_s: float) -> None:
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s > 0:
-            raise ConfigError(f"tier_lookup_timeout_s must be a number > 0, got {timeout_s!r}")
+    def __init__(
+        self, tiers: Sequence[Sequence[SecondaryTier]], timeout_s: float, down_after_s: float, *, log: logging.Logger
+    ) -> None:
+        for name, value in (("tier_lookup_timeout_s", timeout_s), ("tier_down_after_s", down_after_s)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"{name} must be a number > 0, got {value!r}")
         self._tiers = tiers
         self.timeout_s = float(timeout_s)
+        self.down_after_s = max(float(down_after_s), self.timeout_s)
+        self.late = 0
+        """Queries given up past the timeout (``tier_lookups_late``): their requests missed, the tier stayed up."""
+        self._log = log
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvo-tier-lookup")
         self._lock = threading.Lock()
         self._running: tuple[int, float] | None = None  # (tier being asked, when its query was submitted)
@@ -102,15 +113,28 @@ class LookupGate:
         submitted = time.monotonic()
         return Query(keys, self._start(keys, submitted), submitted)
 
+    def warm(self, wait_s: float) -> bool:
+        """Start the query thread and make its first contact with every tier (a probe), waiting up to ``wait_s``
+        for it, so the first request's lookup pays for neither; whether the probe answered in time (its outcome
+        reaches tier health through :meth:`watch` either way)."""
+        self.probe()
+        pending = [f for f in self._orphans if not f.done()]
+        if pending:
+            wait_futures(pending, timeout=wait_s)
+        return all(f.done() for f in self._orphans)
+
     def watch(self, health: TierHealth) -> None:
-        """Tier health from the thread: finished abandoned queries and probes bring answers, a query stuck past
-        the timeout marks its tier down, and a down tier whose back-off is over is probed."""
+        """Tier health from the thread: finished abandoned queries and probes bring answers, a query unanswered
+        past ``tier_down_after_s`` marks its tier down, and a down tier whose back-off is over is probed."""
         for answer in self.collect():
             health.apply(answer.faults)
         stuck = self.stuck()
         if stuck is not None:
             tier, age = stuck
-            health.down(tier, f"a lookup has not answered for {age:.2f} s (tier_lookup_timeout_s={self.timeout_s:g})")
+            if age > self.down_after_s:
+                health.down(
+                    tier, f"a lookup has not answered for {age:.2f} s (tier_down_after_s={self.down_after_s:g})"
+                )
         elif self.idle() and any(
             health.is_down(i) and all(t.available for t in per_rank) for i, per_rank in enumerate(self._tiers)
         ):
@@ -126,8 +150,19 @@ class LookupGate:
         """Whether the query has had its ``tier_lookup_timeout_s`` without an answer."""
         return not query.future.done() and time.monotonic() - query.submitted > self.timeout_s
 
-    def abandon(self, query: Query) -> None:
-        """Give up on a query: cancelled if it has not started, else its outcome is kept for :meth:`collect`."""
+    def abandon(self, query: Query, *, late: bool = False) -> None:
+        """Give up on a query: cancelled if it has not started, else its outcome is kept for :meth:`collect`.
+        ``late``: it had its timeout (counted in :attr:`late`; the first one is said at INFO)."""
+        if late:
+            self.late += 1
+            if self.late == 1:
+                self._log.info(
+                    "kvoffload: a tier lookup took longer than tier_lookup_timeout_s=%g s: its request recomputes "
+                    "the chunks it asked for (tier_unavailable); the tier stays up unless a lookup fails or stays "
+                    "unanswered for tier_down_after_s=%g s (late lookups are counted as tier_lookups_late)",
+                    self.timeout_s,
+                    self.down_after_s,
+                )
         if not query.future.cancel():
             self._orphans.append(query.future)
 
