@@ -8,11 +8,13 @@ Valkey: the tier (records, checksums, pipelined batches, thread pool) vs the cli
 ``SET``/``GET`` of the same chunk bytes (same batch size, same threads) on one embedded server (Unix socket).
 Each repeat runs raw and tier back to back on fresh keys; best of ``--repeats``. Reads are warm (page
 cache, server memory) for both sides. The ``-mac`` rows (``disk-mac``, ``valkey-mac``) run the same tier with
-a record secret (``KVOFFLOAD_RECORD_SECRET``: every record also carries a keyed BLAKE2b MAC of its bytes, made
-on write and checked on read), so the MAC's cost is the ratio against the plain row of the same run.
+a record secret (``KVOFFLOAD_RECORD_SECRET``: every record also carries a keyed MAC of its bytes, made on write
+and checked on read: BLAKE3 where the ``blake3`` package is installed), so the MAC's cost is the ratio against the
+plain row of the same run; the ``-blake2b`` rows (``disk-mac-blake2b``, ``valkey-mac-blake2b``) force the
+standard library's BLAKE2b MAC (``KVOFFLOAD_RECORD_MAC=blake2b``) for comparison.
 
     python benchmarks/tiers.py [--chunks 256K,2M] [--total-mib 128] [--repeats 3] [--threads 2]
-        [--tiers disk,disk-odirect,valkey,disk-mac,valkey-mac]
+        [--tiers disk,disk-odirect,valkey,disk-mac,valkey-mac,disk-mac-blake2b,valkey-mac-blake2b]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import mmap
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -29,8 +32,11 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks._contend
+
+from benchmarks._contend import add_contend_argument, contended
 from kvoffload.tiers import EmbeddedValkey, FsTier, Namespace, TierBase, ValkeyTier
-from kvoffload.tiers._record import SECRET_ENV
+from kvoffload.tiers._record import MAC_ENV, SECRET_ENV
 
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -197,11 +203,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="Valkey pipeline batch (default 16)")
     parser.add_argument(
         "--tiers",
-        default="disk,disk-odirect,valkey,disk-mac,valkey-mac",
-        help="which tiers (default disk,disk-odirect,valkey,disk-mac,valkey-mac)",
+        default="disk,disk-odirect,valkey,disk-mac,valkey-mac,disk-mac-blake2b,valkey-mac-blake2b",
+        help="which tiers (default: all of disk,disk-odirect,valkey,disk-mac,valkey-mac,disk-mac-blake2b,"
+        "valkey-mac-blake2b)",
     )
+    add_contend_argument(parser)
     args = parser.parse_args()
-    header = f"{'tier':<13} {'chunk':>7} {'raw write':>10} {'tier write':>10} {'ratio':>6} "
+    with contended(args.contend):
+        _main(args)
+
+
+def _main(args: argparse.Namespace) -> None:
+    header = f"{'tier':<18} {'chunk':>7} {'raw write':>10} {'tier write':>10} {'ratio':>6} "
     header += f"{'raw read':>9} {'tier read':>9} {'ratio':>6}   (GB/s)"
     print(header)
     for text in args.chunks.split(","):
@@ -209,9 +222,11 @@ def main() -> None:
         n = max(1, args.total_mib * (1 << 20) // size)
         rows = torch.randint(0, 256, (n, size), dtype=torch.uint8)
         for name in args.tiers.split(","):
-            kind = name.removesuffix("-mac")
-            if name.endswith("-mac"):
+            kind = name.removesuffix("-blake2b").removesuffix("-mac")
+            if "-mac" in name:
                 os.environ[SECRET_ENV] = "benchmark secret"
+            if name.endswith("-blake2b"):
+                os.environ[MAC_ENV] = "blake2b"
             try:
                 if kind == "valkey":
                     rw, tw, rr, tr = bench_valkey(rows, args.threads, args.repeats, args.batch)
@@ -219,7 +234,8 @@ def main() -> None:
                     rw, tw, rr, tr = bench_disk(rows, args.threads, args.repeats, odirect=kind == "disk-odirect")
             finally:
                 os.environ.pop(SECRET_ENV, None)
-            print(f"{name:<13} {text:>7} {rw:>10.2f} {tw:>10.2f} {tw / rw:>6.0%} {rr:>9.2f} {tr:>9.2f} {tr / rr:>6.0%}")
+                os.environ.pop(MAC_ENV, None)
+            print(f"{name:<18} {text:>7} {rw:>10.2f} {tw:>10.2f} {tw / rw:>6.0%} {rr:>9.2f} {tr:>9.2f} {tr / rr:>6.0%}")
 
 
 if __name__ == "__main__":

@@ -33,15 +33,20 @@ of the same bytes from memory.
 from __future__ import annotations
 
 import argparse
+import sys
 import threading
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
 import xxhash
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for benchmarks._contend
+
+from benchmarks._contend import add_contend_argument, contended
 from kvoffload import KVCacheTensor
 from kvoffload.offload.pool import HostPool, plan_host_pool
 from kvoffload.offload.worker.copy import CopyEngine, _native, build_block_slots, build_transfer_layout
@@ -374,14 +379,24 @@ def main() -> None:
     parser.add_argument(
         "--profile", action="store_true", help="print where a checksummed CPU job's time goes (instead of the table)"
     )
+    add_contend_argument(parser)
     args = parser.parse_args()
+    with contended(args.contend):
+        _main(args)
+
+
+def _main(args: argparse.Namespace) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(
         f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} layers={args.layers} "
         f"blocks_per_chunk={args.blocks_per_chunk} total={args.total_mib} MiB, best of {args.repeats}"
     )
     kernel = _native.KERNEL
-    print(f"native copy kernel: {kernel.path.name if kernel else 'not built'} (py path: native=False)")
+    builds = _native.load_kernels()
+    gbps = [(1 << 20) / _native.measure_kernel(k) / 1e9 for k in builds]
+    measured = ", ".join(f"{_native.kernel_name(k)} {g:.1f} GB/s" for k, g in zip(builds, gbps, strict=True))
+    name = _native.kernel_name(kernel) if kernel else "not built"
+    print(f"native copy kernel: {name} (copy+hash on one thread: {measured}; py path: native=False)")
     # hashing is compute-bound: on a shared machine its speed says how much CPU this run got
     threads = args.threads or min(4, max(1, torch.get_num_threads()))  # the engine's default
     _machine_check("machine check", threads)

@@ -322,6 +322,7 @@ def main() -> None:
     parser.add_argument("--per-prompt", action="store_true", help="also print each engine's TTFT of every prompt")
     parser.add_argument("--seed", type=int, default=0, help="the prompts' seed")
     add_contend_argument(parser)
+    parser.add_argument("--repeat", type=int, default=1, metavar="K", help="runs; figures are median [min-max]")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -200,6 +200,13 @@ def _add_demo(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         help="secondary tier below the host pool, repeatable: disk:PATH, valkey (embedded server), valkey://host:port",
     )
     p.add_argument("--no-progress", action="store_true", help="do not show the progress bar")
+    p.add_argument(
+        "--contend",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run beside N busy processes (a loaded host, reproducible on any machine; default 0)",
+    )
     # -- observability (issue 13)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on 127.0.0.1:PORT")
     p.add_argument(
@@ -227,6 +234,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     if args.start_timeout is not None:
         check_seconds("--start-timeout", args.start_timeout, zero=False)
     check_seconds("--metrics-linger", args.metrics_linger, zero=True)
+    check_int("--contend", args.contend, 0, 1024, value_first=True)
     endpoint = None if args.kv_events is None else events_endpoint(args.kv_events)
     if args.snapshot is None:
         snapshot = default_snapshot(workers=2 if args.workers is None else args.workers)
@@ -259,6 +267,10 @@ def _run_demo(args: argparse.Namespace) -> int:
     snapshot = snapshot_with_overrides(snapshot, cpu_bytes=args.cpu_bytes, policy=args.policy)
     with contextlib.ExitStack() as stack:
         kwargs = _demo_observability(args, endpoint, stack)
+        if args.contend:
+            from kvoffload.demo.contend import contended
+
+            stack.enter_context(contended(args.contend))
         result = run_demo(
             snapshot, options, progress=not args.no_progress, start_timeout_s=args.start_timeout, **kwargs
         )

@@ -21,6 +21,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvoffload.errors import ConfigError
 from kvoffload.offload.pool import BlockSlots
 from kvoffload.offload.worker.copy import CopyRuns, _native
 from kvoffload.offload.worker.copy import _cpu_loops as loops
@@ -73,9 +74,9 @@ def _job(slots: list[tuple[int, int]], runs: list[tuple[int, int, int]]) -> tupl
 
 @pytest.fixture
 def native_kernels(native_kernel: _native.NativeKernel) -> list[_native.NativeKernel]:
-    """Every native build this CPU can run, widest (the engine's) first."""
+    """Every native build this CPU can run, widest first; the engine's (the fastest measured) is one of them."""
     kernels = _native.load_kernels()
-    assert kernels[0].path == native_kernel.path
+    assert native_kernel.path in {k.path for k in kernels}
     return kernels
 
 
@@ -385,3 +386,36 @@ def test_block_jobs_build_the_runs_of_the_reference(
         where = (kernel.path.name, flags, pool is not None)
         assert np.array_equal(engine, want_engine) and np.array_equal(host, want_host), where
         assert sums.tolist() == want, where
+
+
+def test_the_fastest_measured_kernel_is_picked_and_a_tie_goes_to_the_narrower_build(
+    native_kernels: list[_native.NativeKernel],
+) -> None:
+    """The widest build is not the fastest on every CPU: the pick follows the measurement."""
+    if len(native_kernels) < 2:
+        pytest.skip("one kernel build for this CPU")
+    wide, narrow = native_kernels[0], native_kernels[-1]
+    times = [1.0] * len(native_kernels)
+    times[-1] = 0.5
+    assert _native.pick_kernel(native_kernels, times) is narrow
+    times = [0.5] + [1.0] * (len(native_kernels) - 1)
+    assert _native.pick_kernel(native_kernels, times) is wide
+    assert _native.pick_kernel(native_kernels, [1.0] * len(native_kernels)) is narrow
+    with pytest.raises(ConfigError, match="one time per kernel"):
+        _native.pick_kernel(native_kernels, [1.0])
+
+
+def test_load_kernel_measures_every_build_or_takes_the_one_named(
+    native_kernels: list[_native.NativeKernel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for kernel in native_kernels:
+        assert _native.measure_kernel(kernel, nbytes=256 << 10, repeats=2) > 0
+    picked = _native.load_kernel()
+    assert picked is not None and picked.path in {k.path for k in native_kernels}
+    for kernel in native_kernels:
+        monkeypatch.setenv(_native.KERNEL_ENV, _native.kernel_name(kernel))
+        named = _native.load_kernel()
+        assert named is not None and named.path == kernel.path
+    monkeypatch.setenv(_native.KERNEL_ENV, "sse9")
+    with pytest.raises(ConfigError, match="KVOFFLOAD_COPY_KERNEL='sse9' is not a kernel built for this CPU"):
+        _native.load_kernel()

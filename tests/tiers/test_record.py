@@ -11,16 +11,34 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvoffload.errors import RecordError, TierError
+from kvoffload.errors import ConfigError, RecordError, TierError
 from kvoffload.tiers import FsTier
-from kvoffload.tiers._record import HEADER_SIZE, SECRET_ENV, encode_header, parse_header, record_secret, verify_payload
+from kvoffload.tiers import _record as record_module
+from kvoffload.tiers._record import (
+    BLAKE3_VERSION,
+    FORMAT_VERSION,
+    HAVE_BLAKE3,
+    HEADER_SIZE,
+    MAC_ENV,
+    SECRET_ENV,
+    encode_header,
+    parse_header,
+    record_secret,
+    verify_payload,
+)
 from tests.tiers import rows as rows_helpers
 
 NS = bytes(range(16))
 
 
-def _record(key: bytes, payload: bytes, *, namespace: bytes = NS, secret: bytes | None = None) -> bytes:
-    return encode_header(key, payload, namespace=namespace, secret=secret) + payload
+def _record(
+    key: bytes, payload: bytes, *, namespace: bytes = NS, secret: bytes | None = None, blake3: bool = HAVE_BLAKE3
+) -> bytes:
+    return encode_header(key, payload, namespace=namespace, secret=secret, blake3=blake3) + payload
+
+
+def _version(record: bytes) -> int:
+    return int.from_bytes(record[4:6], "little")
 
 
 def _read(record: bytes, key: bytes, n: int, *, namespace: bytes = NS, secret: bytes | None = None) -> bytes:
@@ -105,6 +123,47 @@ def test_a_forged_record_with_valid_checksums_is_refused_under_a_secret() -> Non
         _read(tampered, key, len(payload), secret=secret)
 
 
+needs_blake3 = pytest.mark.skipif(not HAVE_BLAKE3, reason="the blake3 package is not installed (a dev dependency)")
+
+
+@needs_blake3
+@given(payload=st.binary(min_size=1, max_size=4096), secret=st.binary(min_size=1, max_size=100))
+def test_with_blake3_installed_records_are_maced_with_blake3_and_old_blake2b_ones_still_verify(
+    payload: bytes, secret: bytes
+) -> None:
+    """A mixed fleet: writers with blake3 write version 3, writers without it version 2; a reader verifies both,
+    and neither MAC passes for another secret or under the other algorithm's version."""
+    key = b"b" * 36
+    new, old = _record(key, payload, secret=secret), _record(key, payload, secret=secret, blake3=False)
+    assert (_version(new), _version(old)) == (BLAKE3_VERSION, FORMAT_VERSION)
+    assert _read(new, key, len(payload), secret=secret) == payload
+    assert _read(old, key, len(payload), secret=secret) == payload
+    for record in (new, old):
+        with pytest.raises(RecordError, match="invalid MAC"):
+            _read(record, key, len(payload), secret=secret + b"x")
+    # the BLAKE3 MAC relabelled as version 2 (header guard recomputed) is no BLAKE2b MAC
+    head = new[:4] + FORMAT_VERSION.to_bytes(2, "little") + new[6:56]
+    relabelled = head + xxhash.xxh3_64_intdigest(head + key).to_bytes(8, "little") + new[64:]
+    with pytest.raises(RecordError, match="invalid MAC"):
+        _read(relabelled, key, len(payload), secret=secret)
+
+
+def test_records_without_a_secret_keep_version_2() -> None:
+    """Only authenticated records change version: tiers without a secret read and write what they always did."""
+    assert _version(_record(b"k" * 36, b"payload")) == FORMAT_VERSION
+
+
+@needs_blake3
+def test_a_reader_without_blake3_refuses_a_blake3_record_under_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    key, payload, secret = b"r" * 36, bytes(range(200)), b"s3cret"
+    record = _record(key, payload, secret=secret)
+    monkeypatch.setattr(record_module, "_blake3", None)  # this process as one without the package
+    with pytest.raises(RecordError, match="install the blake3 package"):
+        _read(record, key, len(payload), secret=secret)
+    assert _read(record, key, len(payload)) == payload, "without a secret only the checksums are checked"
+    assert _read(_record(key, payload, secret=secret, blake3=False), key, len(payload), secret=secret) == payload
+
+
 @pytest.mark.skipif(not os.supports_bytes_environ, reason="the environment is text here")
 def test_a_secret_that_is_not_utf8_is_taken_as_its_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """R7: ``KVOFFLOAD_RECORD_SECRET`` set to bytes that are no UTF-8 used to raise UnicodeEncodeError (a traceback
@@ -124,3 +183,31 @@ def test_a_secret_that_is_not_utf8_is_taken_as_its_bytes(tmp_path: Path, monkeyp
         assert rows_helpers.load(tier, keys, row)[1] == (0, 1, 2) and tier.stats().corrupt_records == 3
     monkeypatch.setitem(os.environb, SECRET_ENV.encode(), b"")
     assert record_secret() is None, "empty: no secret"
+
+
+@needs_blake3
+@pytest.mark.parametrize(("mac", "version"), [("", BLAKE3_VERSION), ("blake2b", FORMAT_VERSION)])
+def test_the_writers_mac_is_chosen_by_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mac: str, version: int
+) -> None:
+    """``KVOFFLOAD_RECORD_MAC=blake2b`` keeps writing version 2 records (readers without blake3 verify them, for a
+    fleet still being upgraded); either way the same secret reads both."""
+    monkeypatch.setenv(SECRET_ENV, "s3cret")
+    monkeypatch.setenv(MAC_ENV, mac)
+    row = 4096
+    ns = rows_helpers.namespace(row)
+    rows, keys = rows_helpers.random_rows(2, row, seed=3), rows_helpers.keys(2)
+    with FsTier(tmp_path, ns) as tier:
+        assert rows_helpers.store(tier, keys, rows) == ()
+    records = sorted(tmp_path.rglob("*.bin"))
+    assert len(records) == 2 and {_version(r.read_bytes()) for r in records} == {version}
+    monkeypatch.setenv(MAC_ENV, "blake2b" if mac == "" else "blake3")
+    with FsTier(tmp_path, ns) as tier:
+        out, failed = rows_helpers.load(tier, keys, row)
+        assert failed == () and torch.equal(out, rows)
+
+
+def test_a_mac_that_is_not_one_is_refused_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(MAC_ENV, "sha1")
+    with pytest.raises(ConfigError, match="KVOFFLOAD_RECORD_MAC='sha1' is not a record MAC"):
+        FsTier(tmp_path, rows_helpers.namespace(4096))

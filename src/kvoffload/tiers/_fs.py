@@ -39,7 +39,14 @@ from kvoffload.offload.keys import OffloadKey
 from kvoffload.tiers._base import TierBase
 from kvoffload.tiers._fileio import Staging, copy_bytes, read_direct, read_full, skip_written
 from kvoffload.tiers._namespace import Namespace
-from kvoffload.tiers._record import HEADER_SIZE, encode_header, parse_header, record_secret, verify_payload
+from kvoffload.tiers._record import (
+    HEADER_SIZE,
+    encode_header,
+    parse_header,
+    record_mac_blake3,
+    record_secret,
+    verify_payload,
+)
 
 __all__ = ["FsTier"]
 
@@ -89,6 +96,7 @@ class FsTier(TierBase):
         self.namespace = namespace
         self._ns_tag = namespace.tag
         self._secret = record_secret()
+        self._blake3 = record_mac_blake3()
         self.dir = self.root_dir / namespace.dirname
         self._dir_str = str(self.dir)
         self.max_bytes = max_bytes
@@ -244,7 +252,7 @@ class FsTier(TierBase):
             except OSError as exc:
                 raise TierError(f"fs tier cannot create {sub}: {exc}") from exc
             self._made_dirs.add(h[:2])
-        header = encode_header(key, row, namespace=self._ns_tag, secret=self._secret)
+        header = encode_header(key, row, namespace=self._ns_tag, secret=self._secret, blake3=self._blake3)
         tmp = f"{sub}/.tmp-{os.getpid()}-{next(_tmp_counter)}"
         try:
             size = self._write_file(tmp, header, row)

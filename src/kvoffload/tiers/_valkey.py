@@ -39,7 +39,14 @@ from kvoffload.offload.scheduler import Direction
 from kvoffload.tiers._base import TierBase
 from kvoffload.tiers._fileio import copy_bytes
 from kvoffload.tiers._namespace import Namespace
-from kvoffload.tiers._record import HEADER_SIZE, encode_header, parse_header, record_secret, verify_payload
+from kvoffload.tiers._record import (
+    HEADER_SIZE,
+    encode_header,
+    parse_header,
+    record_mac_blake3,
+    record_secret,
+    verify_payload,
+)
 from kvoffload.tiers._summary import redact_url
 
 __all__ = ["ValkeyTier"]
@@ -91,6 +98,7 @@ class ValkeyTier(TierBase):
         self.namespace = namespace
         self._ns_tag = namespace.tag
         self._secret = record_secret()
+        self._blake3 = record_mac_blake3()
         self.cluster = cluster
         self.batch_size = batch_size
         self.prefix = f"{key_prefix}:{namespace.dirname}:".encode()
@@ -181,7 +189,8 @@ class ValkeyTier(TierBase):
 
     def _store_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[int | TierError | None]:
         headers = [
-            encode_header(k, r, namespace=self._ns_tag, secret=self._secret) for k, r in zip(keys, rows, strict=True)
+            encode_header(k, r, namespace=self._ns_tag, secret=self._secret, blake3=self._blake3)
+            for k, r in zip(keys, rows, strict=True)
         ]
         try:
             if self.cluster:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import os
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from kvoffload.errors import ConfigError
 __all__ = [
     "FUSED",
     "KERNEL",
+    "KERNEL_ENV",
     "SEAL",
     "STATS",
     "STREAM",
@@ -34,8 +36,11 @@ __all__ = [
     "NativeLayout",
     "NativePool",
     "TableUpdate",
+    "kernel_name",
     "load_kernel",
     "load_kernels",
+    "measure_kernel",
+    "pick_kernel",
 ]
 
 _ABI_VERSION = 4
@@ -356,11 +361,58 @@ def load_kernels() -> list[NativeKernel]:
         return []
 
 
+KERNEL_ENV = "KVOFFLOAD_COPY_KERNEL"
+"""Names the kernel to use (``avx512``, ``avx2`` or ``baseline``) instead of the measured pick."""
+_NAMES = {"_kvcopy_avx512": "avx512", "_kvcopy_avx2": "avx2", "_kvcopy": "baseline"}
+_PROBE_BYTES, _PROBE_RUN, _PROBE_REPEATS = 1 << 20, 64 << 10, 5
+
+
+def kernel_name(kernel: NativeKernel) -> str:
+    """``avx512``, ``avx2`` or ``baseline``: which build ``kernel`` is."""
+    return _NAMES[kernel.path.name.split(".")[0]]
+
+
+def measure_kernel(kernel: NativeKernel, nbytes: int = _PROBE_BYTES, repeats: int = _PROBE_REPEATS) -> float:
+    """Seconds (best of ``repeats``) ``kernel`` takes to copy ``nbytes`` in 64 KiB runs while hashing them, on
+    one thread: what a checksummed store costs per byte, measured on this CPU."""
+    src = np.frombuffer(np.random.default_rng(0).bytes(nbytes), dtype=np.uint8)
+    dst = np.empty_like(src)
+    starts = np.arange(0, nbytes, _PROBE_RUN, dtype=np.int64)
+    lengths = np.minimum(_PROBE_RUN, nbytes - starts).astype(np.int64)
+    runs = (starts + dst.ctypes.data, starts + src.ctypes.data, lengths, starts.copy())
+    slots = (starts.copy(), lengths.copy(), np.arange(len(starts), dtype=np.int64))
+    digests = np.empty(len(starts), dtype=np.uint64)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        kernel.copy_hash(runs, slots, _PROBE_RUN, dst.ctypes.data, digests)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def pick_kernel(kernels: list[NativeKernel], seconds: list[float]) -> NativeKernel:
+    """The kernel that measured fastest; on a tie the narrower build (it keeps the CPU's clocks up)."""
+    if not kernels or len(kernels) != len(seconds):
+        raise ConfigError(f"pick_kernel needs one time per kernel, got {len(seconds)} for {len(kernels)}")
+    fastest = min(seconds)
+    return [k for k, s in zip(kernels, seconds, strict=True) if s <= fastest * 1.02][-1]
+
+
 def load_kernel() -> NativeKernel | None:
-    """The widest built kernel this CPU can run (AVX-512F, else AVX2, else the baseline), or None (not built,
-    or turned off)."""
+    """The kernel this process copies with: the built one this CPU runs fastest, by a short measurement (a
+    millisecond or so per build: the widest build is not the fastest on every CPU), or the one
+    :data:`KERNEL_ENV` names; None when none was built or native copies are turned off."""
     kernels = load_kernels()
-    return kernels[0] if kernels else None
+    wanted = os.environ.get(KERNEL_ENV, "").strip().lower()
+    if wanted:
+        named = [k for k in kernels if kernel_name(k) == wanted]
+        if not named:
+            have = ", ".join(kernel_name(k) for k in kernels) or "none"
+            raise ConfigError(f"{KERNEL_ENV}={wanted!r} is not a kernel built for this CPU (built: {have})")
+        return named[0]
+    if len(kernels) < 2:
+        return kernels[0] if kernels else None
+    return pick_kernel(kernels, [measure_kernel(k) for k in kernels])
 
 
 KERNEL: NativeKernel | None = load_kernel()
