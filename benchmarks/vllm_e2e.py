@@ -244,7 +244,8 @@ def _table(title: str, runs: dict[str, list[dict[str, Any]]], cold: str, fillers
     row("failed or corrupt loads + stores", each(lambda r: r["failed"], count))
     if any(r["promoted"] is not None or r["landed"] is not None for results in runs.values() for r in results):
         row("tier chunks promoted", each(lambda r: r["promoted"], count))
-        row("stores + cascades landed", [str(all(r["landed"] for r in rs)) for rs in runs.values()])
+        landed = [[r["landed"] for r in rs] for rs in runs.values()]
+        row("stores + cascades landed", ["-" if None in ls else str(all(ls)) for ls in landed])
         row("tier outages logged (all runs)", [str(sum(r["outages"] for r in rs)) for rs in runs.values()])
     row("mean TTFT (s)", each(lambda r: _mean(r["ttft"])))
     row("first request's TTFT (s)", each(lambda r: r["ttft"][0]))
