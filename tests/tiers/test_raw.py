@@ -91,6 +91,21 @@ def test_valkey_raw_baseline_gets_and_sets_the_same_values_and_deletes_its_scrat
         assert sorted(client.keys("*")) == before, "scratch keys are deleted"
 
 
+def test_valkey_cluster_raw_baseline_sets_through_the_cluster_client_and_deletes_its_scratch_keys(
+    valkey_cluster: list[ValkeyServer],
+) -> None:
+    url = server_url(valkey_cluster[0])
+    with ValkeyTier(url, _ns(), cluster=True, n_read_threads=2, n_write_threads=2, batch_size=3) as tier:
+        keys = _keys(7)
+        _store(tier, keys, rows_helpers.random_rows(7, ROW, seed=2))
+        client = tier.raw_client()
+        before = sorted(client.keys("*", target_nodes=client.ALL_NODES))
+        both = compare_with_raw(tier, keys, ROW)
+        assert both is not None and both.raw.records == 7 and both.tier.records == 7
+        assert both.write_share > 0 and both.read_share > 0
+        assert sorted(client.keys("*", target_nodes=client.ALL_NODES)) == before, "scratch keys are deleted"
+
+
 class _Gated(TierBase):
     """Stores wait for a gate: two jobs are in flight at once, deterministically."""
 
