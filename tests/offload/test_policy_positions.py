@@ -142,13 +142,22 @@ def test_lru_on_request_access_raises_but_never_lowers() -> None:
     assert victims(lru, 3) == [2, 3, 1]
 
 
-def test_lru_request_rank_is_not_taken_for_absent_keys() -> None:
+def test_lru_request_takes_its_rank_at_its_first_access() -> None:
     lru = LRUPolicy(8)
     b = chunked("b", [1, 2])
-    lru.on_request_access(keys([1, 2]), b)  # nothing resident: no rank allocated
+    lru.on_request_access(keys([1, 2]), b)  # nothing resident, but b takes rank 1 here (vLLM 0.33)
     lru.insert(key(5), 5)
-    assert lru.rank(key(5)) == (1, 0)
+    assert lru.rank(key(5)) == (2, 0)
     lru.insert(key(1), 1, b)
+    assert lru.rank(key(1)) == (1, -16)  # b's rank: older than the key stored after b's access
+
+
+def test_lru_request_takes_its_rank_at_insert_without_an_access() -> None:
+    lru = LRUPolicy(8)
+    b = chunked("b", [1, 2])
+    lru.insert(key(5), 5)
+    lru.insert(key(1), 1, b)
+    assert lru.rank(key(5)) == (1, 0)
     assert lru.rank(key(1)) == (2, -16)
 
 
@@ -308,6 +317,9 @@ def test_lru_matches_a_rank_model(
             else:
                 lru.on_request_finished([keys(ids)], set(), set(), ctx)
         elif op == "access":
+            if r and r not in request_rank:  # vLLM: an access gives the request its rank, if it has none yet
+                counter += 1
+                request_rank[r] = counter
             for i in ids:
                 if i in ranks:
                     wanted = positioned(r, i)

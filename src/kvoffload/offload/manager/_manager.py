@@ -139,6 +139,10 @@ class HostBlockManager:
         """Return the chunk id holding ``key``, or ``None`` if it is not resident."""
         return self._table.chunk_id(key)
 
+    def ready_keys(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """The keys of ``keys`` that are stored and readable (:meth:`is_ready`), in order; one call for many."""
+        return self._table.ready_among(keys)
+
     def is_ready(self, key: OffloadKey) -> bool:
         """Tell whether ``key`` is stored and readable (ready or pinned), without counting a lookup."""
         return self._table.is_ready(key)
@@ -198,7 +202,7 @@ class HostBlockManager:
         """
         chunk_ids = self._table.prepare_load(keys, pending_ok)
         ctx = self._context(request_id)
-        if ctx is not None:
+        if ctx is not None and keys:
             self._table.policy.on_request_access(keys, ctx)
         return chunk_ids
 
@@ -226,11 +230,11 @@ class HostBlockManager:
         Follow with :meth:`complete_store` for ``keys_to_store``.
         """
         table = self._table
-        to_store = self._offers.filter(keys, [key for key in keys if key not in table])
+        to_store = self._offers.filter(keys, table.absent(keys))
         ctx = self._context(request_id)
         if not to_store:
-            if ctx is not None:
-                table.policy.on_request_access([key for key in keys if table.is_ready(key)], ctx)
+            if ctx is not None and (ready := table.ready_among(keys)):
+                table.policy.on_request_access(ready, ctx)
             return StorePlan([], [], [])
         n = len(to_store)
         if n > 1 and len(set(to_store)) != n:
@@ -244,8 +248,7 @@ class HostBlockManager:
             else:
                 policy.on_store_miss(misses, ctx)
         if ctx is not None:  # vLLM: the offer's store candidates and stored keys, in offer order
-            candidates = set(to_store)
-            policy.on_request_access([key for key in keys if key in candidates or table.is_ready(key)], ctx)
+            policy.on_request_access(table.ready_among(keys, set(to_store)), ctx)  # not empty: to_store is not
         self._alloc_sizes.add(n)
         evicted_keys = table.evict_for(n, keys)
         if evicted_keys is None:
@@ -314,7 +317,7 @@ class HostBlockManager:
         if ctx is None:
             policy.on_request_finished(keys, reused)  # the 1.4 form: one group, the keys not reused are insertions
             return
-        insertion_only = {key for key in keys if key not in reused}
+        insertion_only = set(keys).difference(reused)
         policy.on_request_finished(request_key_groups(keys, ctx), insertion_only, reused, ctx)
 
     def take_events(self) -> list[OffloadEvent]:

@@ -113,9 +113,11 @@ class DepartureLog:
     def remember(self, keys: Sequence[OffloadKey], reason: MissReason) -> None:
         """Record why ``keys`` left the pool (or are unavailable), forgetting the oldest beyond the bound."""
         departed = self._departed
-        for key in keys:
-            departed[key] = reason
-            departed.move_to_end(key)
+        again = departed.keys() & keys
+        if again:  # keys that left before move to the recent end, in order
+            for key in [key for key in keys if key in again]:
+                departed.move_to_end(key)
+        departed.update(dict.fromkeys(keys, reason))
         while len(departed) > self._max:
             departed.popitem(last=False)
 

@@ -14,15 +14,20 @@ def request_key_groups(keys: Iterable[OffloadKey], ctx: RequestContext) -> tuple
     """A finished request's keys as vLLM's manager hands them to the policy: one tuple per KV-cache group
     (ascending group id, the id in each key's last 4 bytes), each in the given order (a repeat dropped), sorted
     by recorded position when every key of the group has one."""
+    unique = list(dict.fromkeys(keys))
+    positions = ctx.positions
+    suffixes = {key[-4:] for key in unique}
+    if len(suffixes) <= 1:  # one KV-cache group: the common case, in bulk
+        if all(map(positions.__contains__, unique)):
+            unique.sort(key=positions.__getitem__)
+        return (tuple(unique),) if unique else ()
     groups: dict[int, list[OffloadKey]] = {}
-    for key in dict.fromkeys(keys):
+    for key in unique:
         groups.setdefault(int.from_bytes(key[-4:], "big"), []).append(key)
-    get = ctx.get_offload_key_position
     out: list[tuple[OffloadKey, ...]] = []
     for group_id in sorted(groups):
         group = groups[group_id]
-        positions = {key: position for key in group if (position := get(key)) is not None}
-        if len(positions) == len(group):
+        if all(map(positions.__contains__, group)):
             group.sort(key=positions.__getitem__)
         out.append(tuple(group))
     return tuple(out)

@@ -11,7 +11,11 @@ until they are released.
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Set as AbstractSet
 from collections.abc import Collection, Sequence
+
+from operator import itemgetter
 
 from kvoffload.errors import InvalidStateError
 from kvoffload.offload.keys import OffloadKey
@@ -19,6 +23,8 @@ from kvoffload.offload.manager._results import LookupResult
 from kvoffload.offload.manager.policies import CachePolicy, RequestContext
 
 __all__ = ["ChunkTable"]
+
+_drain = deque(maxlen=0).extend
 
 _MISS = LookupResult.MISS
 _HIT = LookupResult.HIT
@@ -101,6 +107,19 @@ class ChunkTable:
     def chunk_id(self, key: OffloadKey) -> int | None:
         """Return the chunk id holding ``key``, or ``None`` if it is not resident."""
         return self._cid.get(key)
+
+    def absent(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """The keys of ``keys`` that are not resident, in order."""
+        ref = self._ref
+        return [key for key in keys if key not in ref]
+
+    def ready_among(self, keys: Sequence[OffloadKey], also: AbstractSet[OffloadKey] = frozenset()) -> list[OffloadKey]:
+        """The keys of ``keys`` that are stored and readable, or in ``also``, in order."""
+        get = self._ref.get
+        dead = self._dead
+        if dead:
+            return [key for key in keys if key in also or ((get(key, -1) >= 0) and key not in dead)]
+        return [key for key in keys if key in also or get(key, -1) >= 0]
 
     def is_ready(self, key: OffloadKey) -> bool:
         """Tell whether ``key`` is stored and readable (ready or pinned), without counting a lookup."""
@@ -249,13 +268,10 @@ class ChunkTable:
         evicted = self._policy.evict(need, set(protected))  # the set only when something must go
         if evicted is None:
             return None
-        ref, cid, free = self._ref, self._cid, self._free
-        keys: list[OffloadKey] = []
-        for key, chunk_id in evicted:
-            del ref[key]
-            del cid[key]
-            free.append(chunk_id)
-            keys.append(key)
+        keys = list(map(itemgetter(0), evicted))
+        _drain(map(self._ref.__delitem__, keys))
+        _drain(map(self._cid.__delitem__, keys))
+        self._free.extend(map(itemgetter(1), evicted))
         self._evictable -= len(keys)
         return keys
 
@@ -288,13 +304,21 @@ class ChunkTable:
         ref, early = self._ref, self._early
         changed: list[OffloadKey] = []
         evictable: list[OffloadKey] = []
-        for key in keys:  # one by one: a key listed twice changes once
-            if ref.get(key) == -1:
-                pins = early.pop(key, 0) if early else 0
-                ref[key] = pins
-                changed.append(key)
-                if not pins:
-                    evictable.append(key)
+        if early:
+            for key in keys:  # one by one: a key listed twice changes once
+                if ref.get(key) == -1:
+                    pins = early.pop(key, 0)
+                    ref[key] = pins
+                    changed.append(key)
+                    if not pins:
+                        evictable.append(key)
+        else:
+            get = ref.get
+            for key in keys:
+                if get(key) == -1:
+                    ref[key] = 0
+                    changed.append(key)
+            evictable = changed
         if evictable:
             self._policy.mark_evictable_many(evictable)
             self._evictable += len(evictable)

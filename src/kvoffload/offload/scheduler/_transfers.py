@@ -203,7 +203,7 @@ class Transfers:
             return None
         # As vLLM's manager, the request's accesses are the offered keys already stored (reused) and the
         # keys it stores; the order the policy sees at finish comes from their positions.
-        ready = [key for key in offered if self._manager.is_ready(key)]
+        ready = self._manager.ready_keys(offered)
         req.reused_keys.update(ready)
         for key in ready:
             req.accessed[key] = positions[key]

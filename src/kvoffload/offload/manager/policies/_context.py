@@ -45,6 +45,11 @@ class RequestContext:
         """Record several ``key -> end_token`` positions at once."""
         self._positions.update(positions)
 
+    @property
+    def positions(self) -> Mapping[OffloadKey, int]:
+        """Every recorded ``key -> end_token`` position (read-only; for policies that read many at once)."""
+        return self._positions
+
     def get_offload_key_position(self, key: OffloadKey) -> int | None:
         """The end-token position recorded for ``key``, or None."""
         return self._positions.get(key)
@@ -68,8 +73,7 @@ def order_request_keys(key_groups: Sequence[Sequence[OffloadKey]], ctx: RequestC
     keys = [key for group in key_groups for key in group]
     if ctx is None or not keys:
         return keys
-    get = ctx._positions.get
-    positions = {key: position for key in keys if (position := get(key)) is not None}
-    if len(positions) == len(keys):  # as vLLM: a key listed twice leaves the order as it is
+    positions = ctx._positions
+    if len(keys) == len(set(keys)) and all(map(positions.__contains__, keys)):  # vLLM: a repeat leaves the order
         keys.sort(key=positions.__getitem__)
     return keys

@@ -4,17 +4,24 @@ vLLM's LRU orders chunks by a logical rank, independent of when transfers comple
 ``(major, minor)``, lower ranks are evicted first. Inserts and touches take a fresh rank ``(next_rank, 0)``; a
 request's keys with a recorded end-token position (:class:`~kvoffload.offload.manager.policies.RequestContext`)
 are ranked ``(request_rank, -position)`` instead, ``request_rank`` allocated once per request, so that inside a
-running request the tail goes before the head and all of it before the chunks of requests that came later. Only
-evictable keys (ready, unpinned) are eviction candidates; they live in a lazily invalidated min-heap of
-``(rank, key)``, so equal ranks (one position in two groups) are evicted in key order.
+running request the tail goes before the head and all of it before the chunks of requests that came later.
+
+A fresh rank is above every rank handed out before, so the keys whose rank is fresh are kept in one
+insertion-ordered dict, oldest first, moved to its end when they take a fresh rank again: without positions
+this is the whole order, as cheap as a plain LRU list. Only the evictable keys ranked by position (those of
+running requests) sit in a lazily invalidated min-heap of ``(rank, key)``; eviction merges the two, so equal ranks
+(one position in two groups) are evicted in key order.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from itertools import repeat
+from operator import itemgetter
 from typing import ClassVar
 
 from kvoffload.errors import ConfigError
@@ -32,6 +39,9 @@ _SPAN = 1 << 40
 position must lie in ``[0, _TOP]``."""
 _TOP = _SPAN - 1
 
+_drain = deque(maxlen=0).extend
+"""Run an iterator of calls to its end at C speed (``map`` of a bound method over many keys)."""
+
 
 @dataclass(slots=True)
 class _RequestRank:
@@ -43,14 +53,13 @@ class _RequestRank:
 
 
 class LRUPolicy(CachePolicy):
-    """vLLM 0.33's LRU: logical ranks, a lazy min-heap over evictable keys, request positions honoured.
+    """vLLM 0.33's LRU: logical ranks, request positions honoured, the n lowest evictable ranks evicted.
 
-    Without positions this is exact least-recently-used order by insertion and touch. Eviction skips pending,
-    pinned and protected keys; recency can change while a key is pinned, and it re-enters the heap with the rank
-    it has when it becomes evictable again.
+    Eviction skips pending, pinned and protected keys; recency can change while a key is pinned, and the key
+    competes with the rank it has when it becomes evictable again.
     """
 
-    __slots__ = ("_chunks", "_evictable", "_generation", "_heap", "_next_rank", "_ranks")
+    __slots__ = ("_blocked", "_chunks", "_fresh", "_generation", "_heap", "_next_rank", "_placed")
 
     name: ClassVar[str] = "lru"
 
@@ -58,9 +67,12 @@ class LRUPolicy(CachePolicy):
         """Create an empty LRU policy for ``capacity`` chunks."""
         super().__init__(capacity)
         self._chunks: dict[OffloadKey, int] = {}  # resident key -> chunk id
-        self._ranks: dict[OffloadKey, int] = {}  # encoded ranks (see _SPAN)
-        self._evictable: set[OffloadKey] = set()
-        self._heap: list[tuple[int, OffloadKey]] = []  # lazy: an entry not matching an evictable key's rank is stale
+        self._blocked: set[OffloadKey] = set()  # resident keys that are pending or pinned
+        self._fresh: dict[OffloadKey, int] = {}  # key -> its fresh rank (encoded, see _SPAN), in rank order
+        self._placed: dict[OffloadKey, int] = {}  # key -> its rank by position (encoded)
+        # (rank, key) of the unblocked keys of _placed; lazy: an entry whose key is blocked or has another rank now
+        # is stale.
+        self._heap: list[tuple[int, OffloadKey]] = []
         self._next_rank = 0
         self._generation = 0  # bumped by clear(): request ranks from before are not reused
 
@@ -72,14 +84,17 @@ class LRUPolicy(CachePolicy):
         """Tell whether ``key`` is resident."""
         return key in self._chunks
 
+    def _rank(self, key: OffloadKey) -> int | None:
+        rank = self._fresh.get(key)
+        return self._placed.get(key) if rank is None else rank
+
     def lru_order(self) -> list[OffloadKey]:
         """Return the resident keys in eviction order by rank, least recently used first (for inspection)."""
-        ranks = self._ranks
-        return sorted(self._chunks, key=lambda key: (ranks[key], key))
+        return sorted(self._chunks, key=lambda key: (self._rank(key), key))
 
     def rank(self, key: OffloadKey) -> Rank | None:
         """The rank ``(major, minor)`` of a resident key (lower is evicted first), or None (for inspection)."""
-        rank = self._ranks.get(key)
+        rank = self._rank(key)
         return None if rank is None else (rank // _SPAN, rank % _SPAN - _TOP)
 
     def get(self, key: OffloadKey) -> int | None:
@@ -87,10 +102,6 @@ class LRUPolicy(CachePolicy):
         return self._chunks.get(key)
 
     # ------------------------------------------------------------------ ranks
-
-    def _fresh_rank(self) -> int:
-        self._next_rank += 1
-        return self._next_rank * _SPAN + _TOP
 
     def _request_rank(self, ctx: RequestContext) -> int:
         """The request's rank major, allocated from the rank counter the first time the request needs one."""
@@ -101,90 +112,129 @@ class LRUPolicy(CachePolicy):
             ctx.set_state(state)
         return state.rank
 
-    def _position_rank(self, key: OffloadKey, ctx: RequestContext | None) -> int | None:
+    def _request_base(self, ctx: RequestContext) -> int:
+        """The encoded rank of position 0 of the request: a key at ``position`` ranks ``base - position``."""
+        return self._request_rank(ctx) * _SPAN + _TOP
+
+    def _fresh_ranks(self, keys: list[OffloadKey]) -> None:
+        """Give resident ``keys`` fresh ranks in list order (a key listed twice keeps its later rank)."""
+        rank = self._next_rank * _SPAN + _TOP
+        self._next_rank += len(keys)
+        fresh = self._fresh
+        pop = fresh.pop
+        if self._placed:
+            _drain(map(self._placed.pop, keys, repeat(None)))
+        for key in keys:
+            rank += _SPAN
+            pop(key, None)
+            fresh[key] = rank
+
+    def _place(self, ranked: list[tuple[OffloadKey, int]]) -> None:
+        """Give resident keys the ranks by position in ``ranked``; the unblocked ones enter the heap."""
+        keys = list(map(itemgetter(0), ranked))
+        _drain(map(self._fresh.pop, keys, repeat(None)))
+        self._placed.update(ranked)
+        blocked = self._blocked
+        self._push([(rank, key) for key, rank in ranked if key not in blocked])
+
+    def _push(self, entries: list[tuple[int, OffloadKey]]) -> None:
+        if not entries:
+            return
+        heap = self._heap
+        if len(entries) >= max(64, len(heap) // 4):
+            heap.extend(entries)
+            heapq.heapify(heap)
+        else:
+            for entry in entries:
+                heapq.heappush(heap, entry)
+        if len(heap) >= max(64, 2 * len(self._placed)):
+            placed, blocked = self._placed, self._blocked
+            self._heap = [(rank, key) for key, rank in placed.items() if key not in blocked]
+            heapq.heapify(self._heap)
+
+    def _check_rank(self, key: OffloadKey, ctx: RequestContext | None) -> int | None:
         """``(request_rank, -position)`` encoded, or None without a recorded position."""
         if ctx is None:
             return None
         position = ctx.get_offload_key_position(key)
         if position is None:
             return None
-        if not isinstance(position, int) or not 0 <= position <= _TOP:
-            raise ConfigError(f"offload key position must be a token count in [0, {_TOP}], got {position!r}")
-        return self._request_rank(ctx) * _SPAN + _TOP - position
-
-    def _rebuild_heap(self) -> None:
-        ranks = self._ranks
-        self._heap = [(ranks[key], key) for key in self._evictable]
-        heapq.heapify(self._heap)
-
-    def _maybe_compact_heap(self) -> None:
-        if len(self._heap) >= max(64, 2 * len(self._evictable)):
-            self._rebuild_heap()
-
-    def _pushed(self, updated_evictable: list[OffloadKey]) -> None:
-        """Evictable keys whose rank changed: rebuilding is cheaper than pushing a long prefix (vLLM)."""
-        if len(updated_evictable) >= max(64, len(self._evictable) // 4):
-            self._rebuild_heap()
-            return
-        ranks = self._ranks
-        heap = self._heap
-        for key in updated_evictable:
-            heapq.heappush(heap, (ranks[key], key))
-        self._maybe_compact_heap()
-
-    def _update_recency(self, keys: Iterable[OffloadKey]) -> None:
-        """Give every resident key of ``keys`` a fresh rank, in iteration order (the last ends most recent)."""
-        ranks = self._ranks
-        chunks = self._chunks
-        evictable = self._evictable
-        updated: list[OffloadKey] = []
-        for key in keys:
-            if key in chunks:
-                self._next_rank += 1
-                ranks[key] = self._next_rank * _SPAN + _TOP
-                if key in evictable:
-                    updated.append(key)
-        self._pushed(updated)
+        _check_positions([position])
+        return self._request_base(ctx) - position
 
     # ------------------------------------------------------------------ the CachePolicy interface
 
     def insert(self, key: OffloadKey, chunk_id: int, ctx: RequestContext | None = None) -> None:
         """Add ``key`` (pending) at rank ``(request_rank, -position)`` when ``ctx`` records its position, else at
         a fresh rank (the most recent)."""
-        rank = self._position_rank(key, ctx)
+        rank = self._check_rank(key, ctx)
         self._chunks[key] = chunk_id
-        self._ranks[key] = self._fresh_rank() if rank is None else rank
-        self._evictable.discard(key)
+        self._blocked.add(key)
+        if rank is None:
+            self._fresh_ranks([key])
+        else:
+            self._fresh.pop(key, None)
+            self._placed[key] = rank
+
+    def insert_many(
+        self, keys: Sequence[OffloadKey], chunk_ids: Sequence[int], ctx: RequestContext | None = None
+    ) -> None:
+        """Insert distinct ``keys`` as :meth:`insert` one by one would, in bulk when all or none have a position."""
+        n = len(keys)
+        positions = None if ctx is None else list(map(ctx.positions.get, keys))
+        if positions is not None and None in positions:
+            if positions.count(None) != n:
+                super().insert_many(keys, chunk_ids, ctx)  # mixed: rank order depends on the interleaving
+                return
+            positions = None
+        self._chunks.update(zip(keys, chunk_ids, strict=True))
+        self._blocked.update(keys)
+        if positions is None or ctx is None:
+            self._fresh_ranks(list(keys))
+            return
+        _check_positions(positions)
+        fresh = self._fresh
+        if not fresh.keys().isdisjoint(keys):
+            _drain(map(fresh.pop, keys, repeat(None)))
+        self._placed.update(zip(keys, map(self._request_base(ctx).__sub__, positions)))  # type: ignore[arg-type]
 
     def remove(self, key: OffloadKey) -> int | None:
         """Drop ``key`` and return its chunk id."""
-        self._ranks.pop(key, None)
-        self._evictable.discard(key)
+        self._fresh.pop(key, None)
+        self._placed.pop(key, None)
+        self._blocked.discard(key)
         return self._chunks.pop(key, None)
 
     def touch(self, keys: Sequence[OffloadKey], ctx: RequestContext | None = None) -> None:
         """Give resident ``keys`` fresh ranks, ``keys[0]`` last (iterates the list reversed, as vLLM)."""
-        self._update_recency(reversed(keys))
+        chunks = self._chunks
+        resident = [key for key in reversed(keys) if key in chunks]
+        if resident:
+            self._fresh_ranks(resident)
 
     def on_request_access(self, keys: Sequence[OffloadKey], ctx: RequestContext | None = None) -> None:
         """Raise each resident key with a recorded position to at least ``(request_rank, -position)``: a key
-        the request uses is no older than the request's own chunks there (tails still precede heads)."""
+        the request uses is no older than the request's own chunks there (tails still precede heads). The request
+        takes its rank here if it has none yet (vLLM)."""
         if ctx is None:
             return
-        ranks = self._ranks
-        evictable = self._evictable
-        updated: list[OffloadKey] = []
-        for key in keys:
-            rank = ranks.get(key)
-            if rank is None:
-                continue
-            wanted = self._position_rank(key, ctx)
-            if wanted is not None and wanted > rank:
-                ranks[key] = wanted
-                if key in evictable:
-                    updated.append(key)
-        if updated:
-            self._pushed(updated)
+        base = self._request_base(ctx)
+        fresh_rank, placed_rank = self._fresh.get, self._placed.get
+        get = ctx.positions.get
+        raised: list[tuple[OffloadKey, int]] = [
+            (key, wanted)
+            for key in keys
+            if (position := get(key)) is not None
+            and ((rank := fresh_rank(key)) is not None or (rank := placed_rank(key)) is not None)
+            and (wanted := base - position) > rank
+        ]
+        if raised:
+            _check_positions([base - wanted for _, wanted in raised])
+            self._place(raised)
+
+    def on_store_miss(self, keys: Sequence[OffloadKey], ctx: RequestContext | None = None) -> None:
+        """Nothing: vLLM touches the missed keys, and a touch leaves keys that are not resident alone."""
+        return
 
     def on_request_finished(
         self,
@@ -196,83 +246,107 @@ class LRUPolicy(CachePolicy):
         """Refresh the request's keys as a touch of :func:`order_request_keys` (position order when every key has
         one): its first chunk ends most recent."""
         groups, _, _ = request_finished_args(key_groups, insertion_only, reused)
-        self._update_recency(reversed(order_request_keys(groups, ctx)))
+        self.touch(order_request_keys(groups, ctx))
 
     def evict(self, n: int, protected: AbstractSet[OffloadKey]) -> list[tuple[OffloadKey, int]] | None:
         """Evict the ``n`` evictable, unprotected keys of lowest ``(rank, key)``, or nothing."""
         if n <= 0:
             check_evict_count(n)
             return []
-        heap = self._heap
-        ranks = self._ranks
-        evictable = self._evictable
-        selected: list[tuple[int, OffloadKey]] = []
-        selected_keys: set[OffloadKey] = set()
+        blocked, fresh = self._blocked, self._fresh
+        selected: list[OffloadKey] = []
+        if not self._heap:  # no key ranked by position is evictable: the fresh order alone
+            for key in fresh:
+                if key in blocked or key in protected:
+                    continue
+                selected.append(key)
+                if len(selected) == n:
+                    break
+            else:
+                return None
+        elif not self._merge(n, protected, selected):
+            return None
+        _drain(map(fresh.pop, selected, repeat(None)))
+        if self._placed:
+            _drain(map(self._placed.pop, selected, repeat(None)))
+        return list(zip(selected, map(self._chunks.pop, selected)))
+
+    def _merge(self, n: int, protected: AbstractSet[OffloadKey], selected: list[OffloadKey]) -> bool:
+        """Select the ``n`` lowest unprotected, unblocked keys of the fresh order and the heap into ``selected``;
+        False (and nothing changed) when there are fewer."""
+        heap, placed, blocked, fresh = self._heap, self._placed, self._blocked, self._fresh
+        heappop = heapq.heappop
         deferred: list[tuple[int, OffloadKey]] = []
-        while heap and len(selected) < n:
-            entry = heapq.heappop(heap)
-            rank, key = entry
-            if key not in evictable or ranks.get(key) != rank:
-                continue  # stale
-            if key in selected_keys:
-                continue  # a re-pin without a rank change leaves an equal entry behind
-            if key in protected:
-                deferred.append(entry)
-                continue
-            selected.append(entry)
-            selected_keys.add(key)
+        from_heap: list[tuple[int, OffloadKey]] = []
+        oldest = (item for item in fresh.items() if item[0] not in blocked and item[0] not in protected)
+        a, a_rank = next(oldest, (None, 0))
+        while len(selected) < n:
+            while heap:  # the heap's lowest current, unprotected entry, if any
+                b_rank, b = heap[0]
+                if b not in blocked and placed.get(b) == b_rank:
+                    if b not in protected:
+                        break
+                    deferred.append(heappop(heap))
+                else:
+                    heappop(heap)  # stale (or a duplicate of a selected key)
+            if heap and (a is None or heap[0][0] < a_rank):
+                entry = heappop(heap)
+                key = entry[1]
+                from_heap.append(entry)
+            elif a is not None:
+                key = a
+                a, a_rank = next(oldest, (None, 0))
+            else:
+                break
+            blocked.add(key)  # selected: later duplicates are stale
+            selected.append(key)
         for entry in deferred:
             heapq.heappush(heap, entry)
+        blocked.difference_update(selected)
         if len(selected) < n:
-            for entry in selected:
+            for entry in from_heap:
                 heapq.heappush(heap, entry)
-            return None
-        chunks = self._chunks
-        victims: list[tuple[OffloadKey, int]] = []
-        for _, key in selected:
-            evictable.discard(key)
-            del ranks[key]
-            victims.append((key, chunks.pop(key)))
-        self._maybe_compact_heap()
-        return victims
+            return False
+        return True
 
     def clear(self) -> None:
         """Forget every key; ranks start over."""
         self._chunks.clear()
-        self._ranks.clear()
-        self._evictable.clear()
+        self._blocked.clear()
+        self._fresh.clear()
+        self._placed.clear()
         self._heap.clear()
         self._next_rank = 0
         self._generation += 1
 
     def mark_evictable(self, key: OffloadKey) -> None:
         """Make resident ``key`` an eviction candidate at its current rank."""
-        if key in self._chunks and key not in self._evictable:
-            self._evictable.add(key)
-            heapq.heappush(self._heap, (self._ranks[key], key))
-            self._maybe_compact_heap()
+        self.mark_evictable_many((key,))
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
         """Exclude resident ``key`` from eviction while it is pinned."""
-        self._evictable.discard(key)
+        if key in self._chunks:
+            self._blocked.add(key)
 
     def mark_evictable_many(self, keys: Collection[OffloadKey]) -> None:
         """Make the resident ``keys`` eviction candidates at their current ranks."""
-        chunks = self._chunks
-        evictable = self._evictable
-        new = [key for key in keys if key in chunks and key not in evictable]
-        if not new:
-            return
-        evictable.update(new)
-        ranks = self._ranks
-        heap = self._heap
-        if len(new) >= max(64, len(evictable) // 4):
-            self._rebuild_heap()
-            return
-        for key in new:
-            heapq.heappush(heap, (ranks[key], key))
-        self._maybe_compact_heap()
+        blocked = self._blocked
+        placed = self._placed
+        entries = [(placed[key], key) for key in keys if key in blocked and key in placed] if placed else []
+        blocked.difference_update(keys)
+        self._push(entries)
 
     def mark_non_evictable_many(self, keys: Collection[OffloadKey]) -> None:
         """Exclude the ``keys`` from eviction while they are pinned."""
-        self._evictable.difference_update(keys)
+        self._blocked.update(self._chunks.keys() & keys)
+
+
+def _check_positions(positions: Sequence[object]) -> None:
+    """Refuse a recorded position that is not a token count in ``[0, _TOP]`` (checked in bulk, named if bad)."""
+    if not positions:
+        return
+    if set(map(type, positions)) == {int} and min(positions) >= 0 and max(positions) <= _TOP:  # type: ignore[type-var]
+        return
+    for position in positions:
+        if not isinstance(position, int) or not 0 <= position <= _TOP:
+            raise ConfigError(f"offload key position must be a token count in [0, {_TOP}], got {position!r}")
