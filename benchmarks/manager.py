@@ -502,7 +502,7 @@ class OursPositioned:
 
     @staticmethod
     def _accessed(req: _OurRequest, keys: list[bytes]) -> None:
-        req.accessed.update(zip(keys, map(req.positions.__getitem__, keys)))
+        req.accessed.update(zip(keys, map(req.positions.__getitem__, keys), strict=True))
 
     def complete_load(self, keys: list[bytes], req: object) -> None:
         self.manager.complete_load(keys)
@@ -520,10 +520,9 @@ class VLLMPositioned:
     """vLLM's own ``CPUOffloadingManager`` (from the ``vllm`` package importable here) with its ``ReqContext``."""
 
     def __init__(self, num_chunks: int, policy: str) -> None:
+        from vllm.v1.kv_offload.base import LookupResult as VLLMLookupResult
         from vllm.v1.kv_offload.base import ReqContext
         from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
-
-        from vllm.v1.kv_offload.base import LookupResult as VLLMLookupResult
 
         self._context = ReqContext
         self.hit = VLLMLookupResult.HIT
@@ -565,7 +564,7 @@ def vllm_version() -> str | None:
     try:
         import vllm
         from vllm.v1.kv_offload.base import ReqContext
-    except Exception:  # noqa: BLE001 - any import failure means "not available here"
+    except Exception:  # any import failure means "not available here"
         return None
     if not hasattr(ReqContext, "set_offload_key_position"):
         return None
@@ -698,9 +697,7 @@ def positioned(trace: Trace, repeats: int) -> int:
             replay_positioned(OursPositioned(trace.num_chunks, policy), trace, ours_record)
             replay_positioned(VLLMPositioned(trace.num_chunks, policy), trace, vllm_record)
             if ours_record != vllm_record:
-                first = next(
-                    i for i, (a, b) in enumerate(zip(ours_record, vllm_record, strict=False)) if a != b
-                )
+                first = next(i for i, (a, b) in enumerate(zip(ours_record, vllm_record, strict=False)) if a != b)
                 print(f"{policy}: MISMATCH with vLLM {version} at result #{first}", file=sys.stderr)
                 return 1
             print(

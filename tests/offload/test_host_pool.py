@@ -306,3 +306,17 @@ def test_shared_pool_joined_from_another_process(engine_id: str) -> None:
         assert pool.slot_rows()[3, :8].tolist() == list(range(100, 108))
         assert shared_pool_path(engine_id).exists()
     assert not shared_pool_path(engine_id).exists()
+
+
+def test_the_background_prefault_waits_while_the_engine_computes() -> None:
+    plan = _plan(world_size=1, rank=0, cpu_bytes_to_use=512 << 20)
+    with HostPool(plan, pin_memory=False) as pool:
+        pool.hold_prefault()  # a forward pass started: at most the slice in progress is populated
+        assert not pool.wait_prefaulted(0.5), "the prefault went on while held"
+        held = _resident_bytes(pool.rows)
+        assert not pool.wait_prefaulted(0.3)
+        assert _resident_bytes(pool.rows) == held, "pages were populated while held"
+        assert held < plan.num_chunks * plan.slot_bytes
+        pool.release_prefault()
+        assert pool.wait_prefaulted(60) and pool.is_prefaulted
+        assert _resident_bytes(pool.rows) >= plan.num_chunks * plan.slot_bytes

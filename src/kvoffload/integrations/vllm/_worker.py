@@ -101,6 +101,8 @@ class _WorkerHalf:
         """Before the forward pass: submit deferred stores, flush, submit this step's loads (once per step)."""
         if not isinstance(meta, KVOffloadConnectorMetadata):
             raise ConfigError(f"KVOffloadConnector got foreign connector metadata {type(meta).__name__}")
+        if self.pool is not None:
+            self.pool.hold_prefault()  # the forward pass starts: populating pool pages would compete with it
         if meta is self.started:  # handle_preemptions and start_load_kv both start the same step
             return
         plan = wire.decode([meta.plan]).expect(StepPlan)
@@ -142,6 +144,9 @@ class _WorkerHalf:
             self.worker.store_layer(layer_name)
 
     def end(self) -> None:
+        """After the forward pass: queue the step's stores; the pool's prefault goes on."""
+        if self.pool is not None:
+            self.pool.release_prefault()
         if self.plan is not None:
             self._worker().end_step(self.plan)
 

@@ -12,9 +12,8 @@ until they are released.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Collection, Iterable, Sequence
 from collections.abc import Set as AbstractSet
-from collections.abc import Collection, Sequence
-
 from operator import itemgetter
 
 from kvoffload.errors import InvalidStateError
@@ -24,7 +23,7 @@ from kvoffload.offload.manager.policies import CachePolicy, RequestContext
 
 __all__ = ["ChunkTable"]
 
-_drain = deque(maxlen=0).extend
+_drain: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 
 _MISS = LookupResult.MISS
 _HIT = LookupResult.HIT

@@ -336,6 +336,19 @@ class HostPool:
         prefault = self._res.prefault
         return prefault is None or prefault.done
 
+    def hold_prefault(self) -> None:
+        """The engine's forward pass starts: the background prefault pauses after its current slice, so it never
+        competes with the engine for CPU (call :meth:`release_prefault` when the pass ends)."""
+        prefault = self._res.prefault
+        if prefault is not None:
+            prefault.hold()
+
+    def release_prefault(self) -> None:
+        """The engine's forward pass ended: the background prefault goes on."""
+        prefault = self._res.prefault
+        if prefault is not None:
+            prefault.release()
+
     def wait_prefaulted(self, timeout: float | None = None) -> bool:
         """Wait up to ``timeout`` seconds for the background prefault; False if it is still running."""
         prefault = self._res.prefault

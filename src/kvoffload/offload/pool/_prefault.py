@@ -6,6 +6,10 @@ mapping reads as zeros and a page a copy touches first is faulted in by that cop
 rest slice by slice (``MADV_POPULATE_WRITE`` through ctypes, which releases the GIL; on kernels before 5.14, which
 lack it, pages fault in on first use). Populating never changes a page that is already there, so it is safe beside
 copies (a read-modify-write touch of each page would not be: it could undo a copy's write).
+
+Populating is CPU work (on a virtual machine a 2 GiB pool took 5 s of one core and slowed a matrix product running
+beside it 2.4x), so it must not compete with the engine's forward passes: while the engine computes (:meth:`hold`
+until :meth:`release`), the thread waits after its current slice.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Callable, Sequence
 __all__ = ["BackgroundPrefault"]
 
 _MADV_POPULATE_WRITE = 23
-_SLICE = 64 << 20  # bytes per call: a stop request waits for at most one slice
+_SLICE = 8 << 20  # bytes per call: a stop or a hold waits for at most one slice
 
 
 def _libc_madvise() -> Callable[[int, int, int], int] | None:
@@ -51,6 +55,8 @@ class BackgroundPrefault:
         self._on_done = on_done
         self._stop = threading.Event()
         self._done = threading.Event()
+        self._idle = threading.Event()  # clear while the engine computes: the thread waits
+        self._idle.set()
         self.error: str | None = None
         """Why populating stopped early (None: it finished, or was stopped); pages then fault in on first use."""
         self._thread = threading.Thread(target=self._run, name="kvo-pool-prefault", daemon=True)
@@ -61,6 +67,7 @@ class BackgroundPrefault:
             madvise = _libc_madvise()
             for start, length in self._ranges:
                 for at in range(start, start + length, _SLICE):
+                    self._idle.wait()
                     if self._stop.is_set():
                         return
                     n = min(_SLICE, start + length - at)
@@ -84,7 +91,16 @@ class BackgroundPrefault:
         """Wait until populating ended; False if ``timeout`` passed first."""
         return self._done.wait(timeout)
 
+    def hold(self) -> None:
+        """The engine computes: populate no further slice until :meth:`release`."""
+        self._idle.clear()
+
+    def release(self) -> None:
+        """The engine's forward pass ended: go on populating."""
+        self._idle.set()
+
     def stop(self) -> None:
         """Stop populating (at the next slice) and wait for the thread."""
         self._stop.set()
+        self._idle.set()
         self._thread.join()

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from kvoffload.errors import ConfigError
 from kvoffload.offload.keys import OffloadKey
@@ -39,7 +39,7 @@ _SPAN = 1 << 40
 position must lie in ``[0, _TOP]``."""
 _TOP = _SPAN - 1
 
-_drain = deque(maxlen=0).extend
+_drain: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 """Run an iterator of calls to its end at C speed (``map`` of a bound method over many keys)."""
 
 
@@ -196,7 +196,7 @@ class LRUPolicy(CachePolicy):
         fresh = self._fresh
         if not fresh.keys().isdisjoint(keys):
             _drain(map(fresh.pop, keys, repeat(None)))
-        self._placed.update(zip(keys, map(self._request_base(ctx).__sub__, positions)))  # type: ignore[arg-type]
+        self._placed.update(zip(keys, map(self._request_base(ctx).__sub__, positions), strict=True))  # type: ignore[arg-type]
 
     def remove(self, key: OffloadKey) -> int | None:
         """Drop ``key`` and return its chunk id."""
@@ -207,10 +207,21 @@ class LRUPolicy(CachePolicy):
 
     def touch(self, keys: Sequence[OffloadKey], ctx: RequestContext | None = None) -> None:
         """Give resident ``keys`` fresh ranks, ``keys[0]`` last (iterates the list reversed, as vLLM)."""
-        chunks = self._chunks
-        resident = [key for key in reversed(keys) if key in chunks]
-        if resident:
-            self._fresh_ranks(resident)
+        if self._placed:
+            chunks = self._chunks
+            resident = [key for key in reversed(keys) if key in chunks]
+            if resident:
+                self._fresh_ranks(resident)
+            return
+        chunks, fresh = self._chunks, self._fresh  # no key ranked by position: only the fresh order changes
+        pop = fresh.pop
+        rank = self._next_rank * _SPAN + _TOP
+        for key in reversed(keys):
+            if key in chunks:
+                rank += _SPAN
+                pop(key)
+                fresh[key] = rank
+        self._next_rank = (rank - _TOP) // _SPAN
 
     def on_request_access(self, keys: Sequence[OffloadKey], ctx: RequestContext | None = None) -> None:
         """Raise each resident key with a recorded position to at least ``(request_rank, -position)``: a key
@@ -269,7 +280,7 @@ class LRUPolicy(CachePolicy):
         _drain(map(fresh.pop, selected, repeat(None)))
         if self._placed:
             _drain(map(self._placed.pop, selected, repeat(None)))
-        return list(zip(selected, map(self._chunks.pop, selected)))
+        return list(zip(selected, map(self._chunks.pop, selected), strict=True))
 
     def _merge(self, n: int, protected: AbstractSet[OffloadKey], selected: list[OffloadKey]) -> bool:
         """Select the ``n`` lowest unprotected, unblocked keys of the fresh order and the heap into ``selected``;
@@ -345,8 +356,10 @@ def _check_positions(positions: Sequence[object]) -> None:
     """Refuse a recorded position that is not a token count in ``[0, _TOP]`` (checked in bulk, named if bad)."""
     if not positions:
         return
-    if set(map(type, positions)) == {int} and min(positions) >= 0 and max(positions) <= _TOP:  # type: ignore[type-var]
-        return
+    if set(map(type, positions)) == {int}:
+        ints = cast("Sequence[int]", positions)
+        if min(ints) >= 0 and max(ints) <= _TOP:
+            return
     for position in positions:
         if not isinstance(position, int) or not 0 <= position <= _TOP:
             raise ConfigError(f"offload key position must be a token count in [0, {_TOP}], got {position!r}")
