@@ -121,7 +121,15 @@ class TierError(KVOffloadError, OSError):
 
 
 class RecordError(TierError):
-    """A tier record failed verification (magic, format version, key, length or checksum): treated as a miss."""
+    """A tier record failed verification (magic, format version, key, length or checksum): treated as a miss.
+
+    ``damaged`` is False for a sound record this reader cannot verify (a BLAKE3 MAC without the ``blake3``
+    package): a miss here, but the record stays on the tier for the readers that can verify it.
+    """
+
+    def __init__(self, message: str, *, damaged: bool = True) -> None:
+        super().__init__(message)
+        self.damaged = damaged
 
 
 class VerificationError(KVOffloadError, RuntimeError):

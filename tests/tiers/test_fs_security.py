@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvoffload.tiers import FsTier, Namespace
-from kvoffload.tiers._record import SECRET_ENV
+from kvoffload.tiers import _record as record_module
+from kvoffload.tiers._record import HAVE_BLAKE3, SECRET_ENV
 from tests.tiers import rows as rows_helpers
 from tests.tiers.rows import keys as _keys
 from tests.tiers.rows import store as _store
@@ -105,3 +106,26 @@ def test_one_outage_doubles_the_back_off_once_however_many_jobs_fail(tmp_path: P
         while not tier.available and time.monotonic() < deadline:
             time.sleep(0.01)
         assert tier.available, "one outage backs off once (0.2 s here), not up to max_backoff_s"
+
+
+@pytest.mark.skipif(not HAVE_BLAKE3, reason="the blake3 package is not installed (a dev dependency)")
+def test_a_reader_without_blake3_misses_a_blake3_record_and_leaves_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fleet being upgraded: an engine without the blake3 package meets a record an upgraded engine MACed with
+    BLAKE3. It cannot verify it, so it is a miss, but the sound record is not deleted: the upgraded engine still
+    reads it."""
+    (key,) = _keys(1, salt=5)
+    monkeypatch.setenv(SECRET_ENV, "correct horse battery staple")
+    with FsTier(tmp_path, _ns()) as writer:
+        assert _store(writer, [key], _rows(1, seed=9)) == ()
+    monkeypatch.setattr(record_module, "_blake3", None)  # this process as one without the package
+    with FsTier(tmp_path, _ns(), scan=False) as old_reader:
+        _out, failed = rows_helpers.load(old_reader, [key], ROW)
+        assert failed == (0,) and old_reader.stats().corrupt_records == 0
+        assert old_reader.path_of(key).exists(), "a sound record this reader cannot verify stays"
+    monkeypatch.undo()
+    monkeypatch.setenv(SECRET_ENV, "correct horse battery staple")
+    with FsTier(tmp_path, _ns(), scan=False) as new_reader:
+        out, failed = rows_helpers.load(new_reader, [key], ROW)
+        assert failed == () and torch.equal(out[0], _rows(1, seed=9)[0])

@@ -54,10 +54,11 @@ class TierBase:
 
     Subclasses split a job into batches (``_batches``) that run on the read or write pool; each batch
     returns per-item outcomes. An item outcome is the byte count on success, ``None`` for a miss, a
-    :class:`RecordError` for a corrupt record (deleted here) and any other :class:`TierError` for an item whose
-    part of the medium could not be reached while the rest answered (a failure; the tier stays available); a
-    :class:`TierError` raised by a batch marks the tier unavailable and fails the batch's items. Lookups
-    (``_exists_batch``) answer per key likewise: a bool, or a :class:`TierError` for an unreachable key.
+    :class:`RecordError` for a corrupt record (deleted here; one that is sound but unverifiable here is a miss
+    and stays) and any other :class:`TierError` for an item whose part of the medium could not be reached while
+    the rest answered (a failure; the tier stays available); a :class:`TierError` raised by a batch marks the
+    tier unavailable and fails the batch's items. Lookups (``_exists_batch``) answer per key likewise: a bool,
+    or a :class:`TierError` for an unreachable key.
     """
 
     name = "tier"
@@ -240,8 +241,9 @@ class TierBase:
         except Exception as exc:  # a bug or an unexpected library error must not hang the job
             self._mark_down(exc)
             outcomes = [None] * len(keys)
-        corrupt = [k for k, o in zip(keys, outcomes, strict=True) if isinstance(o, RecordError)]
-        corrupt_at = [offset + i for i, o in enumerate(outcomes) if isinstance(o, RecordError)]
+        # A record this reader cannot verify (damaged=False) is a miss here and stays for the readers that can.
+        corrupt = [k for k, o in zip(keys, outcomes, strict=True) if isinstance(o, RecordError) and o.damaged]
+        corrupt_at = [offset + i for i, o in enumerate(outcomes) if isinstance(o, RecordError) and o.damaged]
         for key in corrupt:
             try:
                 self._delete(key)

@@ -26,7 +26,8 @@ may find bytes after the payload (O_DIRECT writes pad files to the device block 
 
 The MAC is keyed BLAKE3 where the ``blake3`` package is installed (several GB/s per thread, against about 1.2 for
 the standard library's BLAKE2b): such records carry version 3 and a reader without ``blake3`` refuses them under a
-secret (a miss, said in the error). Records without a MAC keep version 2, so only authenticated tiers see version 3.
+secret (a miss, said in the error; the record is sound, so the tier keeps it for the readers that can verify it:
+``RecordError.damaged`` is False). Records without a MAC keep version 2, so only authenticated tiers see version 3.
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ def record_secret() -> bytes | None:
 def _mac(version: int, secret: bytes, prefix: bytes, key: bytes, payload: Buffer) -> bytes:
     if version == BLAKE3_VERSION:
         if _blake3 is None:
-            raise RecordError("record is MACed with BLAKE3 (version 3): install the blake3 package to verify it")
+            raise RecordError(
+                "record is MACed with BLAKE3 (version 3): install the blake3 package to verify it", damaged=False
+            )
         keyed = _blake3.blake3(prefix, key=hashlib.blake2b(secret, digest_size=32).digest())
         keyed.update(key)
         keyed.update(payload)
