@@ -662,8 +662,10 @@ def main(argv: list[str] | None = None) -> int:
         stats = ours_manager.stats()
         refused = sum(1 for item in ours_record if item is None)
         if ours_record != base_record:
-            first = next(i for i, (a, b) in enumerate(zip(ours_record, base_record, strict=False)) if a != b)
-            print(f"{policy}: MISMATCH with the baseline at result #{first}", file=sys.stderr)
+            print(
+                f"{policy}: MISMATCH with the baseline at result #{_first_difference(ours_record, base_record)}",
+                file=sys.stderr,
+            )
             return 1
         print(
             f"{policy}: {ops} key-ops per replay; {stats.hits / stats.lookups:.1%} of "
@@ -682,6 +684,11 @@ def main(argv: list[str] | None = None) -> int:
     return positioned(trace, args.repeats)
 
 
+def _first_difference(a: list[object], b: list[object]) -> int:
+    """The index of the first result where two recorded replays differ (the shorter one's length if one ends)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def positioned(trace: Trace, repeats: int) -> int:
     """With position hints: check ours against vLLM's own manager result for result, then time both."""
     version = vllm_version()
@@ -697,7 +704,7 @@ def positioned(trace: Trace, repeats: int) -> int:
             replay_positioned(OursPositioned(trace.num_chunks, policy), trace, ours_record)
             replay_positioned(VLLMPositioned(trace.num_chunks, policy), trace, vllm_record)
             if ours_record != vllm_record:
-                first = next(i for i, (a, b) in enumerate(zip(ours_record, vllm_record, strict=False)) if a != b)
+                first = _first_difference(ours_record, vllm_record)
                 print(f"{policy}: MISMATCH with vLLM {version} at result #{first}", file=sys.stderr)
                 return 1
             print(

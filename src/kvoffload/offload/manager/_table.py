@@ -11,10 +11,8 @@ until they are released.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Sequence
 from collections.abc import Set as AbstractSet
-from operator import itemgetter
 
 from kvoffload.errors import InvalidStateError
 from kvoffload.offload.keys import OffloadKey
@@ -22,8 +20,6 @@ from kvoffload.offload.manager._results import LookupResult
 from kvoffload.offload.manager.policies import CachePolicy, RequestContext
 
 __all__ = ["ChunkTable"]
-
-_drain: Callable[[Iterable[object]], None] = deque[object](maxlen=0).extend
 
 _MISS = LookupResult.MISS
 _HIT = LookupResult.HIT
@@ -267,10 +263,13 @@ class ChunkTable:
         evicted = self._policy.evict(need, set(protected))  # the set only when something must go
         if evicted is None:
             return None
-        keys = list(map(itemgetter(0), evicted))
-        _drain(map(self._ref.__delitem__, keys))
-        _drain(map(self._cid.__delitem__, keys))
-        self._free.extend(map(itemgetter(1), evicted))
+        ref, cid, free = self._ref, self._cid, self._free
+        keys: list[OffloadKey] = []
+        for key, chunk_id in evicted:
+            del ref[key]
+            del cid[key]
+            free.append(chunk_id)
+            keys.append(key)
         self._evictable -= len(keys)
         return keys
 
@@ -303,21 +302,13 @@ class ChunkTable:
         ref, early = self._ref, self._early
         changed: list[OffloadKey] = []
         evictable: list[OffloadKey] = []
-        if early:
-            for key in keys:  # one by one: a key listed twice changes once
-                if ref.get(key) == -1:
-                    pins = early.pop(key, 0)
-                    ref[key] = pins
-                    changed.append(key)
-                    if not pins:
-                        evictable.append(key)
-        else:
-            get = ref.get
-            for key in keys:
-                if get(key) == -1:
-                    ref[key] = 0
-                    changed.append(key)
-            evictable = changed
+        for key in keys:  # one by one: a key listed twice changes once
+            if ref.get(key) == -1:
+                pins = early.pop(key, 0) if early else 0
+                ref[key] = pins
+                changed.append(key)
+                if not pins:
+                    evictable.append(key)
         if evictable:
             self._policy.mark_evictable_many(evictable)
             self._evictable += len(evictable)

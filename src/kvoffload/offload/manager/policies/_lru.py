@@ -116,18 +116,20 @@ class LRUPolicy(CachePolicy):
         """The encoded rank of position 0 of the request: a key at ``position`` ranks ``base - position``."""
         return self._request_rank(ctx) * _SPAN + _TOP
 
-    def _fresh_ranks(self, keys: list[OffloadKey]) -> None:
-        """Give resident ``keys`` fresh ranks in list order (a key listed twice keeps its later rank)."""
-        rank = self._next_rank * _SPAN + _TOP
-        self._next_rank += len(keys)
-        fresh = self._fresh
+    def _fresh_ranks(self, keys: Iterable[OffloadKey]) -> None:
+        """Give the resident keys of ``keys`` fresh ranks in iteration order (a key listed twice keeps its later
+        rank)."""
+        chunks, fresh, placed = self._chunks, self._fresh, self._placed
         pop = fresh.pop
-        if self._placed:
-            _drain(map(self._placed.pop, keys, repeat(None)))
+        rank = self._next_rank * _SPAN + _TOP
         for key in keys:
-            rank += _SPAN
-            pop(key, None)
-            fresh[key] = rank
+            if key in chunks:
+                rank += _SPAN
+                pop(key, None)
+                if placed:
+                    placed.pop(key, None)
+                fresh[key] = rank
+        self._next_rank = (rank - _TOP) // _SPAN
 
     def _place(self, ranked: list[tuple[OffloadKey, int]]) -> None:
         """Give resident keys the ranks by position in ``ranked``; the unblocked ones enter the heap."""
@@ -190,7 +192,7 @@ class LRUPolicy(CachePolicy):
         self._chunks.update(zip(keys, chunk_ids, strict=True))
         self._blocked.update(keys)
         if positions is None or ctx is None:
-            self._fresh_ranks(list(keys))
+            self._fresh_ranks(keys)
             return
         _check_positions(positions)
         fresh = self._fresh
@@ -207,21 +209,7 @@ class LRUPolicy(CachePolicy):
 
     def touch(self, keys: Sequence[OffloadKey], ctx: RequestContext | None = None) -> None:
         """Give resident ``keys`` fresh ranks, ``keys[0]`` last (iterates the list reversed, as vLLM)."""
-        if self._placed:
-            chunks = self._chunks
-            resident = [key for key in reversed(keys) if key in chunks]
-            if resident:
-                self._fresh_ranks(resident)
-            return
-        chunks, fresh = self._chunks, self._fresh  # no key ranked by position: only the fresh order changes
-        pop = fresh.pop
-        rank = self._next_rank * _SPAN + _TOP
-        for key in reversed(keys):
-            if key in chunks:
-                rank += _SPAN
-                pop(key)
-                fresh[key] = rank
-        self._next_rank = (rank - _TOP) // _SPAN
+        self._fresh_ranks(reversed(keys))
 
     def on_request_access(self, keys: Sequence[OffloadKey], ctx: RequestContext | None = None) -> None:
         """Raise each resident key with a recorded position to at least ``(request_rank, -position)``: a key
