@@ -8,7 +8,15 @@ import msgspec
 import pytest
 import torch
 
-from kvoffload import ConfigError, LoadMode, build_scheduler, build_worker, decode_extra_config, hash_token_blocks
+from kvoffload import (
+    ConfigError,
+    LoadMode,
+    SchedulerExtension,
+    build_scheduler,
+    build_worker,
+    decode_extra_config,
+    hash_token_blocks,
+)
 from kvoffload.assembly import tiering_of
 from kvoffload.demo import default_snapshot
 from kvoffload.offload.pool import plan_host_pool_from_config
@@ -43,6 +51,25 @@ def test_decode_extra_config_is_strict_and_holds_the_tiers(tmp_path: Path) -> No
         decode_extra_config({"cpu_bytes_to_use": MiB, "store_threshold": "two"})
     with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]"):
         decode_extra_config({"cpu_bytes_to_use": MiB, "secondary_tiers": [{"type": "tape"}]})
+
+
+@pytest.mark.parametrize("raw", [4 * MiB, str(4 * MiB), float(4 * MiB)])
+def test_every_reader_takes_the_host_budget_by_vllms_int_rule(raw: object) -> None:
+    """vLLM sizes its pool with ``int(cpu_bytes_to_use)``: the options, the runnability check and the pool plan
+    all accept what it accepts, and read the same number of bytes."""
+    extra = {"cpu_bytes_to_use": raw}
+    assert decode_extra_config(extra).cpu_bytes_to_use == 4 * MiB
+    config = offloading_config(extra_config=extra, worker_kv_bytes_per_block=4096)
+    assert plan_host_pool_from_config(config).cpu_bytes_to_use == 4 * MiB
+    assert build_scheduler(config).manager.num_chunks == plan_host_pool_from_config(config).num_chunks
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"), [("lots", "is not a number of bytes"), ("-5", "must be > 0"), (True, "is not")]
+)
+def test_a_bad_host_budget_names_the_key_and_the_value(raw: object, why: str) -> None:
+    with pytest.raises(ConfigError, match=rf"kv_connector_extra_config\['cpu_bytes_to_use'\]={raw!r} {why}"):
+        decode_extra_config({"cpu_bytes_to_use": raw})
 
 
 def _run_one_request(extra: dict[str, object]) -> tuple[int, str]:
@@ -81,7 +108,7 @@ def test_build_scheduler_composes_the_tiers_of_the_extra_config(tmp_path: Path) 
     finally:
         sched.close()
     plain = build_scheduler(offloading_config(extra_config={"cpu_bytes_to_use": MiB}, worker_kv_bytes_per_block=4096))
-    assert plain.extension is None
+    assert type(plain.extension) is SchedulerExtension  # the null extension: nothing below the pool
 
 
 def test_build_worker_builds_a_rank_and_closes_it_once() -> None:

@@ -34,7 +34,7 @@ from kvoffload._generated import (
 )
 from kvoffload.errors import ConfigError
 from kvoffload.offload.manager import HostBlockManager
-from kvoffload.offload.pool import plan_host_pool_from_config
+from kvoffload.offload.pool import host_budget, plan_host_pool_from_config
 from kvoffload.offload.scheduler import OffloadScheduler, SchedulerExtension
 
 if TYPE_CHECKING:
@@ -60,6 +60,8 @@ def decode_extra_config(extra: Mapping[str, object]) -> VLLMConnectorConfig:
     from kvoffload.tiers import tiering_config_from_extra  # the tier configs only: no tier client loads
 
     own = {k: v for k, v in extra.items() if k not in _TIER_KEYS}
+    if own.get("cpu_bytes_to_use"):  # vLLM's int() rule: "268435456" is a budget too
+        own["cpu_bytes_to_use"] = host_budget(own["cpu_bytes_to_use"], "kv_connector_extra_config['cpu_bytes_to_use']")
     try:
         options = msgspec.convert(own, VLLMConnectorConfig)
     except msgspec.ValidationError as exc:

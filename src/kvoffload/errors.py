@@ -6,7 +6,10 @@ best describes it, so callers can catch either the library-wide base or the buil
     KVOffloadError(Exception)                  base of everything below
     ├── ConfigError(ValueError)                a snapshot or config value is invalid (names field and value)
     │   ├── OffloadingConfigError              a vLLM 0.33 translator rule rejects the input (vLLM's message)
-    │   └── ConfigImportError(ImportError)     a configured module_path or class cannot be imported
+    │   ├── ConfigImportError(ImportError)     a configured module_path or class cannot be imported
+    │   │   └── ConfigModuleNotFoundError(ModuleNotFoundError)  the configured module does not exist
+    │   ├── ConfigClassError(AssertionError)   a configured class is not of the kind it must be (vLLM asserts it)
+    │   └── TierUnusableError(TierError)       a configured tier cannot be used at start (also an OSError)
     ├── ArgumentTypeError(TypeError)           an argument has the wrong type (e.g. a non-int in a packed array)
     ├── ValueOverflowError(OverflowError)      a value does not fit its fixed-width field (e.g. int32 ids)
     ├── WireError(ValueError)                  a frame is truncated, oversized, corrupted or of an unknown kind
@@ -29,8 +32,10 @@ from __future__ import annotations
 
 __all__ = [
     "ArgumentTypeError",
+    "ConfigClassError",
     "ConfigError",
     "ConfigImportError",
+    "ConfigModuleNotFoundError",
     "DeadlineError",
     "HostMemoryError",
     "InvalidStateError",
@@ -39,6 +44,7 @@ __all__ = [
     "RecordError",
     "SchemaMismatchError",
     "TierError",
+    "TierUnusableError",
     "TransferError",
     "ValueOverflowError",
     "VerificationError",
@@ -72,6 +78,18 @@ class ConfigImportError(ConfigError, ImportError):
 
     Both a :class:`ConfigError` (the message names the config entry and the module) and an ``ImportError``, as
     vLLM's users see an unimportable ``module_path``; the import's own error is chained as ``__cause__``.
+    """
+
+
+class ConfigModuleNotFoundError(ConfigImportError, ModuleNotFoundError):
+    """A configured ``module_path`` names no module: a ``ModuleNotFoundError``, as vLLM raises."""
+
+
+class ConfigClassError(ConfigError, AssertionError):
+    """A configured out-of-tree class is not of the kind it must be (a tier class that is not a tier).
+
+    vLLM refuses it with ``assert issubclass(...)``; this is also an ``AssertionError`` so code written against
+    vLLM catches it, while kvoffload never uses ``assert`` to validate.
     """
 
 
@@ -130,6 +148,11 @@ class RecordError(TierError):
     def __init__(self, message: str, *, damaged: bool = True) -> None:
         super().__init__(message)
         self.damaged = damaged
+
+
+class TierUnusableError(ConfigError, TierError):
+    """A configured tier cannot be used when the engine starts (a ``root_dir`` that is a file, a server that is
+    not there): a :class:`ConfigError` naming the tier, and an ``OSError`` as vLLM's tier constructors raise."""
 
 
 class VerificationError(KVOffloadError, RuntimeError):

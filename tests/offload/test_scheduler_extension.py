@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Sequence
 
 from kvoffload import BlockStored, JobResult, Medium, OffloadKey, SchedulerExtension, WorkerReport, make_offload_key
 from kvoffload._packed import pack_int64
 from kvoffload.offload.manager import HostBlockManager, OffloadEvent
-from kvoffload.offload.scheduler import OffloadScheduler, TierFilter, parse_load_tiers
+from kvoffload.offload.scheduler import LookupAdvice, OffloadScheduler, TierFilter, parse_load_tiers
 from kvoffload.tiers import TierJob
 from tests.helpers import chained_hashes, offloading_config
 
 
-class Recorder:
+class Recorder(SchedulerExtension):
     """An extension that records every call and defers lookups while ``defer`` is set."""
 
     def __init__(self) -> None:
@@ -31,16 +31,12 @@ class Recorder:
         self.calls.append("take_events")
         return [OffloadEvent((make_offload_key(b"\x07" * 32, 0),), False, Medium.STORAGE)]
 
-    def defer_lookup(self, req_id: str, keys: Sequence[Sequence[OffloadKey]], num_computed_tokens: int) -> bool:
-        self.calls.append(f"defer_lookup:{req_id}:{num_computed_tokens}")
+    def advise_lookup(
+        self, req_id: str, keys: Sequence[Sequence[OffloadKey]], num_computed_tokens: int
+    ) -> LookupAdvice:
+        self.calls.append(f"advise_lookup:{req_id}:{num_computed_tokens}")
         self.lookup_keys = [list(k) for k in keys]
-        return self.defer
-
-    def unavailable_keys(self, req_id: str) -> Set[OffloadKey]:
-        return self.unavailable
-
-    def chained_promotions(self, req_id: str) -> Set[OffloadKey]:
-        return frozenset()
+        return LookupAdvice(defer=self.defer, unavailable=frozenset(self.unavailable))
 
     def on_store_completed(self, keys: Sequence[OffloadKey]) -> None:
         self.calls.append("on_store_completed")
@@ -65,6 +61,9 @@ class Recorder:
 
     def reset(self) -> None:
         self.calls.append("reset")
+
+    def on_reset_flushed(self) -> None:
+        self.calls.append("on_reset_flushed")
 
     def close(self) -> None:
         self.calls.append("close")
@@ -129,6 +128,29 @@ def test_a_failed_or_reset_store_is_never_handed_to_the_extension() -> None:
     assert ext.completed == []
 
 
+def test_the_extension_hears_when_the_reset_is_flushed() -> None:
+    """vLLM's fence: ``on_reset_flushed`` once every copy job in flight at the reset has reported, at once when
+    none was (promotions into freed host rows wait for it)."""
+    ext = Recorder()
+    sched = _scheduler(ext)
+    sched.reset()
+    assert ext.calls[-2:] == ["reset", "on_reset_flushed"]
+    sched.add_request("r", chained_hashes("h", 1), 16)
+    assert sched.lookup("r", 0) == 0
+    sched.on_blocks_allocated("r", [[1]])
+    sched.on_tokens_computed("r", 16)
+    (store,) = sched.build_step_plan().store_jobs
+    ext.calls.clear()
+    sched.reset()
+    assert ext.calls == ["reset"], "a store was in flight: the reset is not flushed yet"
+    sched.on_worker_reports([])
+    assert "on_reset_flushed" not in ext.calls
+    sched.on_worker_reports([_report(store.job_id, store=True)])
+    assert ext.calls[-1] == "on_reset_flushed"
+    sched.on_worker_reports([_report(store.job_id, store=True)])
+    assert ext.calls.count("on_reset_flushed") == 1
+
+
 def test_pending_work_dead_workers_and_close_reach_the_extension() -> None:
     ext = Recorder()
     sched = _scheduler(ext)
@@ -184,3 +206,19 @@ def test_a_load_filter_reaches_the_extension_and_its_events_follow_the_pools() -
     assert "on_new_request:s:0" in ext.calls
     events = sched.take_events()
     assert events == [BlockStored(block_hashes=(b"\x07" * 32,), group_idx=0, medium=Medium.STORAGE)]
+
+
+def test_a_scheduler_without_an_extension_runs_the_null_one() -> None:
+    """The base class is the null extension: every hook a no-op, nothing deferred, no tier jobs, no events."""
+    sched = OffloadScheduler(offloading_config(), HostBlockManager(8))
+    assert type(sched.extension) is SchedulerExtension
+    sched.add_request("r", chained_hashes("n", 2), 32, load_tiers=parse_load_tiers([]))
+    assert sched.lookup("r", 0) == 0
+    sched.on_blocks_allocated("r", [[1, 2]])
+    sched.on_tokens_computed("r", 32)
+    plan = sched.build_step_plan()
+    assert plan.tier_jobs == () and len(plan.store_jobs) == 1
+    sched.on_worker_reports([_report(plan.store_jobs[0].job_id, store=True)])
+    assert not sched.has_pending_work() and sched.take_events() == []
+    sched.reset()
+    sched.close()

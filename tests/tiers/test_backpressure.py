@@ -124,3 +124,23 @@ def test_reset_forgets_everything() -> None:
     for _ in range(3):
         det.record(MiB, 0.001)  # a fresh warm-up
     assert det.ema == pytest.approx(0.001) and not det.under_pressure
+
+
+def test_reset_sets_the_last_update_time_to_zero_as_vllm_does() -> None:
+    det, clock = _detector()
+    clock.t = 50.0
+    for _ in range(3):
+        det.record(MiB, 0.001)
+    assert det._last_update == 50.0
+    det.reset()
+    assert det._last_update == 0.0  # vLLM's reset: _last_update = 0.0 (not "now")
+
+
+def test_store_latency_ema_is_vllms_view_of_the_ema() -> None:
+    det, _clock = _detector()
+    assert det.store_latency_ema == 0.0
+    det.store_latency_ema = 5.0
+    det.under_pressure = True
+    assert det.ema == 5.0 and det.should_drop()
+    det.reset()
+    assert det.store_latency_ema == 0.0 and not det.under_pressure and not det.should_drop()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvoffload.errors import TierError
 from kvoffload.tiers import FsTier, Namespace, SecondaryTier
 from kvoffload.tiers._record import HEADER_SIZE
 from tests.tiers import rows as rows_helpers
@@ -179,10 +180,21 @@ def _store_when_available(tier: FsTier, keys: list[bytes], rows: torch.Tensor) -
     return _store(tier, keys, rows, job=61)
 
 
-def test_unwritable_directory_is_unavailable_not_an_exception(tmp_path: Path) -> None:
+def test_an_unusable_root_dir_raises_an_os_error_from_the_constructor_as_in_vllm(tmp_path: Path) -> None:
+    """vLLM's fs tier lets ``os.makedirs`` raise (``NotADirectoryError`` for a file in the way); ours raises a
+    TierError (an OSError) naming root_dir."""
     blocker = tmp_path / "file"
     blocker.write_bytes(b"not a directory")
-    with FsTier(blocker / "sub", _ns(), retry_backoff_s=60) as tier:
+    for root in (blocker / "sub", blocker, "/dev/null/invalid_path"):
+        with pytest.raises(OSError, match=r"fs tier cannot use root_dir=.*(Not a directory|File exists)") as info:
+            FsTier(root, _ns())
+        assert isinstance(info.value, TierError)
+
+
+def test_unwritable_directory_started_down_is_unavailable_not_an_exception(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"not a directory")
+    with FsTier(blocker / "sub", _ns(), retry_backoff_s=60, start_down=True) as tier:
         assert not tier.available
         assert tier.lookup(_keys(2)) == [False, False]
         tier.submit_store(1, _keys(1), _views(_rows(1)))

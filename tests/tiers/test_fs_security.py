@@ -82,7 +82,7 @@ def test_records_are_private_by_default_and_shared_on_request(tmp_path: Path) ->
 
 def test_a_path_too_long_for_the_file_system_is_a_miss_not_an_exception(tmp_path: Path) -> None:
     root = tmp_path / ("x" * 5000)
-    with FsTier(root, _ns(), retry_backoff_s=60) as tier:
+    with FsTier(root, _ns(), retry_backoff_s=60, start_down=True) as tier:
         assert tier.lookup(_keys(3)) == [False, False, False]
         tier.submit_store(1, _keys(1), _views(_rows(1)))
         assert tier.wait([1], 10)

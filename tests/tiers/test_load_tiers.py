@@ -143,21 +143,24 @@ def test_a_tier_the_scheduler_saw_down_is_not_asked_by_lookups(tmp_path: Path) -
 
 
 def test_locality_is_vllms_tier_key(tmp_path: Path) -> None:
-    """``locality`` (case-insensitive): what ``kv_load_tiers`` matches; a REMOTE disk tier takes the network
-    backpressure defaults, as in vLLM."""
+    """``locality``: what ``kv_load_tiers`` matches; a REMOTE disk tier takes the network backpressure defaults;
+    LOCAL or REMOTE exactly (vLLM builds ``Locality(value)``: ``'remote'`` and ``''`` are refused)."""
     from kvoffload.errors import ConfigError
     from kvoffload.tiers import tiering_config_from_extra
 
     tiering = tiering_config_from_extra(
         {
-            "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path), "locality": "remote"}],
+            "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path), "locality": "REMOTE"}],
             "tier_poll_interval_s": 0,
         }
     )
     (fs,) = tiering.secondary_tiers
     assert isinstance(fs, FsTierConfig) and fs.locality == "REMOTE"
-    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\] \(fs\): locality='moon' is not LOCAL or REMOTE"):
-        tiering_config_from_extra({"secondary_tiers": [{"type": "fs", "root_dir": "/x", "locality": "moon"}]})
+    for bad in ("moon", "remote", "local", ""):
+        with pytest.raises(
+            ConfigError, match=rf"secondary_tiers\[0\] \(fs\): locality='{bad}': '{bad}' is not a valid Locality"
+        ):
+            tiering_config_from_extra({"secondary_tiers": [{"type": "fs", "root_dir": "/x", "locality": bad}]})
     engine = _Engine(tiering)
     try:
         settings = engine.tiering.backpressure(0).settings

@@ -328,6 +328,44 @@ def test_reset_drains_tier_io_and_tier_only_chunks_miss_until_then(tmp_path: Pat
         second.close()
 
 
+def test_after_a_reset_tier_only_chunks_miss_until_the_copy_jobs_of_before_it_have_reported(tmp_path: Path) -> None:
+    """vLLM holds promotions from ``reset_cache`` until ``on_reset_flushed``, even with no tier job in flight: a
+    host store still in flight at the reset may land in a freed row, so no promotion may fill one meanwhile."""
+    _fill_disk(tmp_path, seed=2)
+    second = _Engine(_fs(tmp_path))
+    try:
+        other = [t + 5000 for t in TOKENS[:32]]
+        second.sched.add_request("S", hash_token_blocks(other, 16), len(other))
+        assert second.lookup("S") == 0
+        second.sched.on_blocks_allocated("S", [[30, 31]])
+        second.sched.on_tokens_computed("S", len(other))
+        store_plan = wire.decode(wire.encode(second.sched.build_step_plan())).expect(StepPlan)
+        assert store_plan.store_jobs and not store_plan.tier_jobs, "a host store in flight, no tier job"
+        second.worker.start_step(store_plan)
+        second.worker.end_step(store_plan)
+        second.sched.reset()
+        second.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
+        assert second.sched.lookup("B", 0) == 0, "tier-only chunks MISS while the reset is not flushed"
+        second.sched.on_worker_reports([second.worker.drain(store_plan.step, 30)])
+        assert second.lookup("B") == 112, "the store reported: the reset is flushed, the tier serves again"
+    finally:
+        second.close()
+
+
+def test_tiering_holds_promotions_from_its_reset_until_it_is_told_the_reset_is_flushed(tmp_path: Path) -> None:
+    _fill_disk(tmp_path, seed=3)
+    second = _Engine(_fs(tmp_path))
+    try:
+        second.sched.add_request("B", hash_token_blocks(TOKENS, 16), len(TOKENS))
+        keys = second.sched._book.requests["B"].keys
+        second.tiering.reset()
+        assert second.tiering.advise_lookup("B", keys, 0).defer is False and not second.tiering._queries
+        second.tiering.on_reset_flushed()
+        assert second.tiering.advise_lookup("B", keys, 0).defer is True, "flushed: the tier is asked again"
+    finally:
+        second.close()
+
+
 def test_reset_forgets_what_backpressure_learned(tmp_path: Path) -> None:
     """vLLM's reset_cache starts the tiers' backpressure over: pressure, EMA and drop counters."""
     pressure = BackpressureConfig(
@@ -501,8 +539,9 @@ def test_an_unusable_tier_fails_start_with_one_line_unless_told_to_start_degrade
     config = translate_snapshot(default_snapshot(workers=1, num_blocks=NUM_BLOCKS, cpu_bytes=16 * CHUNK))
     manager = HostBlockManager(plan_host_pool_from_config(config).num_chunks)
     bad_fs = FsTierConfig(root_dir=str(blocker / "kv"))
-    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\] \(fs\) is unusable: .*start_degraded"):
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\] \(fs\) is unusable: .*start_degraded") as info:
         Tiering(config, manager, TieringConfig(secondary_tiers=(bad_fs,)))
+    assert isinstance(info.value, OSError), "vLLM's fs tier raises an OSError for an unusable root_dir"
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]  # nothing listens there once the probe is closed

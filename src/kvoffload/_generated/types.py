@@ -1356,9 +1356,9 @@ class FsTierConfig(
     """
 
     locality: str | None = None
-    """vLLM's key: `LOCAL` (None: the default) or `REMOTE` (a network file system), case-insensitive:
-    what a request's `kv_load_tiers` matches; REMOTE also takes the network backpressure defaults
-    (0.050 / 0.010 s per MiB). (since 1.5)
+    """vLLM's key: `LOCAL` (None: the default) or `REMOTE` (a network file system), exactly (vLLM
+    builds `Locality(value)`): what a request's `kv_load_tiers` matches; REMOTE also takes the
+    network backpressure defaults (0.050 / 0.010 s per MiB). (since 1.5)
     """
 
 
@@ -1419,7 +1419,7 @@ class ValkeyTierConfig(
     """
 
     locality: str | None = None
-    """`LOCAL` or `REMOTE` (None: the default, REMOTE), case-insensitive: what a request's
+    """`LOCAL` or `REMOTE` (None: the default, REMOTE), exactly as vLLM spells them: what a request's
     `kv_load_tiers` matches. (since 1.5)
     """
 

@@ -236,8 +236,7 @@ class SchedulerMetrics:
         chunks["write_pending"].set(pending)
         chunks["ready"].set(ready)
         chunks["pinned"].set(num - free - pending - ready)
-        if sched.extension is not None:
-            self._observe_tiers(sched.extension)
+        self._observe_tiers(sched.extension)
         return True
 
     def _observe_tiers(self, extension: SchedulerExtension) -> None:

@@ -115,7 +115,7 @@ class EMABackpressureDetector:
         self._warmup = []
         self.under_pressure = False
         self._cleared_at = None
-        self._last_sample = self._clock()
+        self._last_update = 0.0  # as vLLM: no update since the reset (a decay needs an EMA, which a record sets first)
         self._consecutive_failures = 0
         self._healthy_streak = 0
         self._cooldown_toggle = False
@@ -124,11 +124,20 @@ class EMABackpressureDetector:
         self.dropped_chunks = 0
         self.samples = 0
 
+    @property
+    def store_latency_ema(self) -> float:
+        """vLLM's name for the EMA of store latency (s per MiB): 0.0 before the warm-up completes or after a reset."""
+        return self.ema or 0.0
+
+    @store_latency_ema.setter
+    def store_latency_ema(self, value: float) -> None:
+        self.ema = value
+
     def record(self, num_bytes: int, seconds: float, *, success: bool = True) -> None:
         """Feed one finished store: its bytes and latency (a failure counts towards ``failure_threshold``)."""
         s = self.settings
         now = self._clock()
-        self._last_sample = now
+        self._last_update = now
         if not success:
             self._consecutive_failures += 1
             self._healthy_streak = 0  # a failing tier is not healthy: its fast path must not clear pressure
@@ -164,10 +173,10 @@ class EMABackpressureDetector:
     def _decay(self, now: float) -> None:
         if self.ema is None:
             return
-        idle = now - self._last_sample
+        idle = now - self._last_update
         if idle > 0:
             self.ema *= 0.5 ** (idle / self.settings.decay_half_life_s)
-            self._last_sample = now
+            self._last_update = now
             self._update(now)
 
     def drop_rate(self) -> float:

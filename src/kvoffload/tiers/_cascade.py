@@ -38,14 +38,14 @@ are polled at each step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence, Set
+from collections.abc import Sequence
 
 from kvoffload._generated import OffloadingConfig, TieringConfig, TierJob, TierJobResult, WorkerReport
 from kvoffload._packed import Int32Array, pack_int64
 from kvoffload.errors import InvalidStateError
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.manager import HostBlockManager, OffloadEvent
-from kvoffload.offload.scheduler import Locality, TierFilter
+from kvoffload.offload.scheduler import Locality, LookupAdvice, SchedulerExtension, TierFilter
 from kvoffload.tiers._backpressure import EMABackpressureDetector, resolve_backpressure
 from kvoffload.tiers._base import SecondaryTier
 from kvoffload.tiers._config import open_tier
@@ -62,7 +62,10 @@ __all__ = ["TierStatsRow", "Tiering"]
 logger = logging.getLogger(__name__)
 
 
-class Tiering:
+_DEFER = LookupAdvice(defer=True)
+
+
+class Tiering(SchedulerExtension):
     """Secondary tiers below the host pool, composed into an :class:`~kvoffload.offload.scheduler.OffloadScheduler`.
 
     Implements :class:`~kvoffload.offload.scheduler.SchedulerExtension` (see the module docstring for the
@@ -126,6 +129,7 @@ class Tiering:
         self._queued_tier_jobs: list[TierJob] = []
         self._cascade_queue: list[OffloadKey] = []
         self._fence: set[int] = set()  # stale tier jobs in flight since a reset
+        self._reset_held = False  # from a reset until the scheduler's copy jobs of before it have all reported
         self._counters = {"tier_lookups_retry": 0, "promotions_refused": 0, "tier_hits": 0}
         self._poll_s = tiering.tier_poll_interval_s
         if any(reason is None for reason in self._unusable_at_start):
@@ -142,11 +146,20 @@ class Tiering:
 
     # ------------------------------------------------------------------------------------ lookups
 
-    def defer_lookup(self, req_id: str, keys: Sequence[Sequence[OffloadKey]], num_computed_tokens: int) -> bool:
+    def advise_lookup(
+        self, req_id: str, keys: Sequence[Sequence[OffloadKey]], num_computed_tokens: int
+    ) -> LookupAdvice:
+        """Defer the lookup while the tiers are asked for the chunks the host pool misses (see :meth:`_defer`);
+        else name the misses no tier could be asked for and the keys chained into this step's plan."""
+        if self._defer(req_id, keys, num_computed_tokens):
+            return _DEFER
+        return LookupAdvice(unavailable=self._unreachable.get(req_id, frozenset()), chained=self._chained)
+
+    def _defer(self, req_id: str, keys: Sequence[Sequence[OffloadKey]], num_computed_tokens: int) -> bool:
         """Ask the tiers for chunks the host pool misses: True (ask again later) while a tier query runs
         (RETRY, at most ``tier_lookup_timeout_s``) or a promotion is in flight (HIT_PENDING)."""
-        if not self._lookup_tiers or self._fence:
-            return False  # no tiers, or a reset not yet flushed: the host pool answers alone
+        if not self._lookup_tiers or self._fence or self._reset_held:
+            return False  # no tiers, or a reset not yet flushed: the host pool answers alone (a tier-only chunk misses)
         allowed = self._filters.allowed(req_id)
         if not any(allowed):
             return False  # its kv_load_tiers allows no tier: the request loads host hits only
@@ -201,16 +214,6 @@ class Tiering:
         asked = self._queried.get(req_id)
         if asked is not None:
             asked.difference_update(keys)
-
-    def chained_promotions(self, req_id: str) -> Set[OffloadKey]:
-        """With ``chain_promotions``: the keys queued for promotion in the plan being built (by this request's lookup
-        or another's); the workers run a promotion before the loads that read its chunks, in the same step, so no
-        step is lost waiting for it."""
-        return self._chained
-
-    def unavailable_keys(self, req_id: str) -> Set[OffloadKey]:
-        """The request's host misses that a tier could not be asked for (unavailable, or past the timeout)."""
-        return self._unreachable.get(req_id, frozenset())
 
     def _host_misses(self, keys: Sequence[Sequence[OffloadKey]], num_computed: int) -> list[OffloadKey]:
         """Keys of the request's chunks past ``num_computed`` that the host pool does not hold, in order."""
@@ -386,7 +389,8 @@ class Tiering:
         """vLLM ``reset_cache``: tier jobs not yet sent are dropped (the reset frees their chunks), jobs in flight
         become stale (their results no longer touch the pool; the next plan has the workers finish them first),
         and until every stale job has reported, lookups answer from the host pool alone (a chunk only a tier
-        holds is a MISS), as vLLM holds promotions until the reset is flushed."""
+        holds is a MISS), as vLLM holds promotions until the reset is flushed: until :meth:`on_reset_flushed` too,
+        even when no tier job was in flight."""
         unsent = {job.job_id for job in self._queued_tier_jobs}
         self._queued_tier_jobs = []
         self._chained.clear()
@@ -409,6 +413,12 @@ class Tiering:
         self._queries.clear()
         for detector in self._detectors:
             detector.reset()
+        self._reset_held = bool(self._lookup_tiers)
+
+    def on_reset_flushed(self) -> None:
+        """The scheduler's copy jobs of before the last reset have all reported: promotions may fill host rows
+        again (once the stale tier jobs have reported too)."""
+        self._reset_held = False
 
     def on_new_request(self, req_id: str, load_tiers: TierFilter) -> None:
         """The request loads only from the tiers ``load_tiers`` allows (vLLM's ``kv_load_tiers``)."""

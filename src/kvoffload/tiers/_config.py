@@ -22,7 +22,7 @@ from kvoffload._generated import (
     TieringConfig,
     ValkeyTierConfig,
 )
-from kvoffload.errors import ConfigError
+from kvoffload.errors import ConfigClassError, ConfigError
 from kvoffload.tiers._base import SecondaryTier
 from kvoffload.tiers._namespace import Namespace
 from kvoffload.tiers._registry import BUILTIN_TIER_TYPES, import_tier_class, registered_tier_class, tier_type_names
@@ -38,6 +38,8 @@ def _normalize_tier(i: int, raw: object) -> object:
     if not isinstance(raw, Mapping):
         raise ConfigError(f"secondary_tiers[{i}] must be a table/object, got {raw!r}")
     kind = raw.get("type")
+    if not kind:
+        raise ConfigError(f"secondary_tiers[{i}]: type={kind!r}: Secondary tier configuration must include 'type'")
     registered = registered_tier_class(kind) if isinstance(kind, str) and kind not in BUILTIN_TIER_TYPES else None
     if registered is not None or (isinstance(kind, str) and kind not in BUILTIN_TIER_TYPES and "module_path" in raw):
         rest = {k: v for k, v in raw.items() if k not in ("type", "module_path", "backpressure")}
@@ -80,10 +82,12 @@ def tiering_config_from_extra(extra: Mapping[str, object]) -> TieringConfig:
                 f"secondary_tiers[{i}] (valkey): url={tier.url!r} is not a valkey url "
                 f"({', '.join(s + '...' for s in VALKEY_SCHEMES)})"
             )
-        if isinstance(tier, FsTierConfig | ValkeyTierConfig) and tier.locality is not None:
-            if tier.locality.upper() not in ("LOCAL", "REMOTE"):
-                raise ConfigError(f"secondary_tiers[{i}] ({kind}): locality={tier.locality!r} is not LOCAL or REMOTE")
-            tier = msgspec.structs.replace(tier, locality=tier.locality.upper())
+        if isinstance(tier, FsTierConfig | ValkeyTierConfig) and tier.locality not in (None, "LOCAL", "REMOTE"):
+            # vLLM builds Locality(value): case-sensitive (kv_load_tiers' filters are not)
+            raise ConfigError(
+                f"secondary_tiers[{i}] ({kind}): locality={tier.locality!r}: {tier.locality!r} is not a valid "
+                "Locality (LOCAL or REMOTE)"
+            )
         tiers.append(tier)
     top: dict[str, object] = {k: extra[k] for k in _TOP_KEYS if k in extra}
     try:
@@ -125,6 +129,7 @@ def open_tier(
             fsync=config.fsync,
             file_mode=config.file_mode,
             scan=not lookups_only,
+            start_down=True,  # the engine's start-up check refuses it in one line, or starts degraded
         )
     if isinstance(config, ValkeyTierConfig):
         from kvoffload.tiers._valkey import ValkeyTier
@@ -155,7 +160,7 @@ def open_tier(
             cls = import_tier_class(config.module_path, config.class_name, where)
         tier = cls(namespace=namespace, **dict(config.options))
         if not isinstance(tier, SecondaryTier):
-            raise ConfigError(f"custom tier {config.class_name!r} does not implement the SecondaryTier protocol")
+            raise ConfigClassError(f"custom tier {config.class_name!r} does not implement the SecondaryTier protocol")
         return tier
     raise ConfigError(f"unknown tier config {config!r}")
 

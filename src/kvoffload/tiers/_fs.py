@@ -60,7 +60,10 @@ class FsTier(TierBase):
 
     ``n_read_threads``/``n_write_threads`` are vLLM's key names (default 16 each); ``max_bytes=None`` means
     no limit. ``scan=False`` skips indexing (and so capacity eviction) at open: for lookup-only instances.
-    Raises :class:`ConfigError` for invalid arguments; faults of the medium never raise.
+    Raises :class:`ConfigError` for invalid arguments. A ``root_dir`` that cannot be used now (a file in the way,
+    no permission) raises :class:`TierError`, an ``OSError`` as vLLM's fs tier raises, unless ``start_down``: the
+    tier then starts unavailable and is retried later (how an engine opens it, for ``start_degraded`` and its
+    one-line start-up check). Faults of the medium after that never raise.
     """
 
     name = "fs"
@@ -77,6 +80,7 @@ class FsTier(TierBase):
         fsync: bool = False,
         file_mode: int = 0o600,
         scan: bool = True,
+        start_down: bool = False,
         retry_backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
     ) -> None:
@@ -115,7 +119,11 @@ class FsTier(TierBase):
             if scan:
                 self._scan()
         except OSError as exc:
-            self._mark_down(TierError(f"fs tier cannot use {self.dir}: {exc}"))
+            error = TierError(f"fs tier cannot use root_dir={str(self.root_dir)!r} ({self.dir}): {exc}")
+            if not start_down:
+                self.close()
+                raise error from exc
+            self._mark_down(error)
 
     # ------------------------------------------------------------------ setup
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from kvoffload._generated import FsTierConfig, SecondaryTierConfig, TieringConfig, ValkeyTierConfig
-from kvoffload.errors import ConfigError
+from kvoffload.errors import TierUnusableError
 from kvoffload.tiers._base import SecondaryTier, TierBase
 from kvoffload.tiers._record import SECRET_ENV, record_secret
 
@@ -21,12 +21,13 @@ __all__ = ["TierHealth", "TierStatsRow", "shared_without_secret", "tier_is_healt
 
 
 def tier_type(config: SecondaryTierConfig) -> str:
-    """The kind of a tier config: ``fs``, ``valkey``, the name a custom tier was registered under, or ``custom``."""
+    """The kind of a tier config: ``fs``, ``valkey``, the name a custom tier was registered under, or its class
+    name (vLLM names an out-of-tree tier after its ``type``, the class name)."""
     if isinstance(config, FsTierConfig):
         return "fs"
     if isinstance(config, ValkeyTierConfig):
         return "valkey"
-    return config.tier_type or "custom"
+    return config.tier_type or config.class_name
 
 
 def unusable_reason(tier: SecondaryTier) -> str | None:
@@ -117,7 +118,8 @@ class TierHealth:
 
     def check_at_start(self, tiering: TieringConfig, lookup_tiers: list[list[SecondaryTier]]) -> list[str | None]:
         """Refuse to start on a tier that cannot be used now (a mistyped path, a server that is not there), in
-        one line naming it, unless ``start_degraded`` asks to start anyway (a WARNING; it is retried later).
+        one line naming it (:class:`TierUnusableError`, a ConfigError and an OSError as vLLM raises), unless
+        ``start_degraded`` asks to start anyway (a WARNING; it is retried later).
         A shared tier without a record secret gets a WARNING too (see :func:`shared_without_secret`).
         Returns why each tier (config order) was unusable at start, None for a usable one."""
         reasons: list[str | None] = []
@@ -127,7 +129,7 @@ class TierHealth:
             if reason is not None:
                 what = f"secondary_tiers[{i}] ({tier_type(config)}) is unusable: {reason}"
                 if not tiering.start_degraded:
-                    raise ConfigError(f"{what} (set start_degraded to start without it)")
+                    raise TierUnusableError(f"{what} (set start_degraded to start without it)")
                 self._log.warning("%s; starting degraded (start_degraded), it is retried later", what)
                 self.down(i, reason, logged=True)
             if shared_without_secret(config):

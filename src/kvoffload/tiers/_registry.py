@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-from kvoffload.errors import ConfigError, ConfigImportError
+from kvoffload.errors import ConfigClassError, ConfigError, ConfigImportError, ConfigModuleNotFoundError
 from kvoffload.tiers._base import SecondaryTier, TierBase
 
 __all__ = [
@@ -32,9 +32,10 @@ _REGISTERED: dict[str, type] = {}
 
 def check_tier_class(cls: object, what: str) -> type:
     """``cls`` if it is a tier class: deriving from :class:`TierBase` or declaring :class:`SecondaryTier` (having
-    the right attribute names is not enough, a mock has them all: vLLM checks the base class too)."""
+    the right attribute names is not enough, a mock has them all: vLLM checks the base class too); else a
+    :class:`ConfigClassError`, an ``AssertionError`` as vLLM's ``assert issubclass`` raises."""
     if not isinstance(cls, type) or not (issubclass(cls, TierBase) or SecondaryTier in cls.__mro__):
-        raise ConfigError(
+        raise ConfigClassError(
             f"custom tier {what} must be a class deriving from kvoffload.tiers.TierBase "
             f"(or declaring kvoffload.tiers.SecondaryTier), got {cls!r}"
         )
@@ -66,12 +67,14 @@ def tier_type_names() -> list[str]:
 
 def import_tier_class(module_path: str, class_name: str, where: str) -> type:
     """``class_name`` from ``module_path``, checked to be a tier class. An import that fails raises
-    :class:`ConfigImportError` (a ConfigError and an ImportError) naming ``where`` and the module, chained to the
-    import's own error."""
+    :class:`ConfigImportError` (a ConfigError and an ImportError; :class:`ConfigModuleNotFoundError`, also a
+    ``ModuleNotFoundError``, when the module does not exist, as in vLLM) naming ``where`` and the module, chained
+    to the import's own error."""
     try:
         module = importlib.import_module(module_path)
     except ImportError as exc:
-        raise ConfigImportError(
+        error = ConfigModuleNotFoundError if isinstance(exc, ModuleNotFoundError) else ConfigImportError
+        raise error(
             f"{where}: cannot import {class_name!r} from module_path={module_path!r}: {type(exc).__name__}: {exc}"
         ) from exc
     try:

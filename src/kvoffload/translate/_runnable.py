@@ -43,7 +43,7 @@ from kvoffload._generated import EngineSnapshot, OffloadingConfig, ParallelConfi
 from kvoffload._placement import transfer_layout_from_config
 from kvoffload.errors import ConfigError, HostMemoryError
 from kvoffload.offload.manager.policies import available_policies, policy_factory
-from kvoffload.offload.pool import plan_host_pool_from_config
+from kvoffload.offload.pool import host_budget, plan_host_pool_from_config
 from kvoffload.tiers import tiering_config_from_extra
 from kvoffload.translate._snapshot import with_value
 
@@ -106,14 +106,7 @@ def _check_parallel(parallel: ParallelConfig) -> None:
 
 def _check_budget(raw: object, config: OffloadingConfig) -> None:
     field = "kv_connector_extra_config['cpu_bytes_to_use']"
-    if isinstance(raw, bool) or not isinstance(raw, int | float | str):
-        raise ConfigError(f"{field}={raw!r} is not a number of bytes")
-    try:
-        budget = int(raw)
-    except (ValueError, OverflowError):
-        raise ConfigError(f"{field}={raw!r} is not a number of bytes") from None
-    if budget <= 0:
-        raise ConfigError(f"{field}={raw!r} must be > 0: it is the total host budget in bytes across all workers")
+    host_budget(raw, field)
     try:
         plan_host_pool_from_config(config)
     except HostMemoryError as exc:

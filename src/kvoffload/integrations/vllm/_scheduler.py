@@ -129,8 +129,6 @@ class _SchedulerHalf:
     def _tiering(self) -> Tiering | None:
         """The scheduler's tiers, when it has any."""
         ext = self.scheduler.extension
-        if ext is None:
-            return None
         from kvoffload.tiers import Tiering
 
         return ext if isinstance(ext, Tiering) else None

@@ -17,6 +17,7 @@ from kvoffload.offload.pool._files import (
 from kvoffload.offload.pool._plan import (
     PAGE_SIZE,
     HostPoolPlan,
+    host_budget,
     plan_host_pool,
     plan_host_pool_from_config,
     table_bytes,
@@ -47,6 +48,7 @@ __all__ = [
     "IntegrityTable",
     "available_host_memory_bytes",
     "check_pools_fit",
+    "host_budget",
     "owned_pool_id",
     "plan_host_pool",
     "plan_host_pool_from_config",

@@ -152,10 +152,28 @@ def plan_host_pool(
     )
 
 
+def host_budget(raw: object, field: str = "cpu_bytes_to_use") -> int:
+    """The host budget ``raw`` (``kv_connector_extra_config["cpu_bytes_to_use"]``) as bytes, by vLLM's rule.
+
+    vLLM's spec takes ``int(cpu_bytes_to_use)``, so ``268435456``, ``"268435456"`` and ``2.68e8`` are budgets; a
+    bool, a non-number or a value <= 0 is a :class:`ConfigError` naming ``field`` and the value. The one place
+    this rule lives: the connector's options, the runnability check and the pool plan all read it here.
+    """
+    if isinstance(raw, bool) or not isinstance(raw, int | float | str):
+        raise ConfigError(f"{field}={raw!r} is not a number of bytes")
+    try:
+        budget = int(raw)
+    except (ValueError, OverflowError):
+        raise ConfigError(f"{field}={raw!r} is not a number of bytes") from None
+    if budget <= 0:
+        raise ConfigError(f"{field}={raw!r} must be > 0: it is the total host budget in bytes across all workers")
+    return budget
+
+
 def plan_host_pool_from_config(config: OffloadingConfig) -> HostPoolPlan:
     """:func:`plan_host_pool` for this worker of an :class:`OffloadingConfig`.
 
-    The budget is ``extra_config["cpu_bytes_to_use"]``, the total host bytes across all workers.
+    The budget is ``extra_config["cpu_bytes_to_use"]``, the total host bytes across all workers (:func:`host_budget`).
     """
     raw = config.extra_config.get("cpu_bytes_to_use")
     if not raw:
@@ -163,17 +181,11 @@ def plan_host_pool_from_config(config: OffloadingConfig) -> HostPoolPlan:
             f"cpu_bytes_to_use={raw!r}: it must be specified in kv_connector_extra_config (the total host "
             f"budget in bytes across all {config.parallel.world_size} workers)"
         )
-    if isinstance(raw, bool) or not isinstance(raw, int | float | str):
-        raise ConfigError(f"cpu_bytes_to_use={raw!r} is not a number of bytes")
-    try:
-        budget = int(raw)
-    except (ValueError, OverflowError) as exc:
-        raise ConfigError(f"cpu_bytes_to_use={raw!r} is not a number of bytes") from exc
     return plan_host_pool(
         worker_kv_bytes_per_block=config.worker_kv_bytes_per_block,
         world_size=config.parallel.world_size,
         blocks_per_chunk=config.cache.blocks_per_chunk,
-        cpu_bytes_to_use=budget,
+        cpu_bytes_to_use=host_budget(raw),
         replicated=config.replicated_layout,
         rank=config.parallel.rank,
     )

@@ -8,7 +8,7 @@ loads may come from.
 """
 
 from kvoffload.offload._direction import Direction
-from kvoffload.offload.scheduler._extension import SchedulerExtension
+from kvoffload.offload.scheduler._extension import LookupAdvice, SchedulerExtension
 from kvoffload.offload.scheduler._misses import ChunkMiss
 from kvoffload.offload.scheduler._results import ReportOutcome, SchedulerStats
 from kvoffload.offload.scheduler._scan import maximal_prefix_lookup, sliding_window_lookup
@@ -19,6 +19,7 @@ __all__ = [
     "ChunkMiss",
     "Direction",
     "Locality",
+    "LookupAdvice",
     "OffloadScheduler",
     "ReportOutcome",
     "SchedulerExtension",

@@ -102,7 +102,7 @@ class OffloadScheduler:
     ) -> None:
         self.config = config
         self.manager = manager
-        self.extension = extension
+        self.extension = extension if extension is not None else SchedulerExtension()
         book = self._book = SchedulerBook(
             config, manager, eagle_group_ids=eagle_group_ids, mamba_align_group_ids=mamba_align_group_ids
         )
@@ -117,6 +117,7 @@ class OffloadScheduler:
         self._transfers = Transfers(book, offload_prompt_only=offload_prompt_only, null_block_id=null_block_id)
         self._reports = Reports(book, self._transfers, self._store_completed)
         self._flush_tiers = False
+        self._reset_fence: set[int] = set()  # copy jobs in flight at the last reset, not yet reported
         self.world_size = book.world_size
 
     @property
@@ -178,7 +179,7 @@ class OffloadScheduler:
         )
         self._book.requests[req_id] = req
         self._book.update_keys(req)
-        if load_tiers is not None and self.extension is not None:
+        if load_tiers is not None:
             self.extension.on_new_request(req_id, load_tiers)
 
     def extend_request(self, req_id: str, new_block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
@@ -215,8 +216,7 @@ class OffloadScheduler:
         self.manager.on_request_finished(keys, req.reused_keys, request_id=req_id)
         if not req.jobs:
             self._book.drop(req)
-        if self.extension is not None:
-            self.extension.on_request_finished(req_id)
+        self.extension.on_request_finished(req_id)
 
     def abort_request(self, req_id: str) -> None:
         """Abort a request mid-flight: pins released, in-flight stores flushed by the next step plan.
@@ -233,9 +233,8 @@ class OffloadScheduler:
 
     def reset(self) -> None:
         """Drop every stored chunk (vLLM ``reset_cache``): in-flight jobs are flushed and become stale."""
-        if self.extension is not None:
-            self.extension.reset()
-            self._flush_tiers = True  # the workers finish their tier IO before the freed rows are reused
+        self.extension.reset()
+        self._flush_tiers = True  # the workers finish their tier IO before the freed rows are reused
         for req in self._book.requests.values():
             self._book.release_pins(req)
             req.next_stored = [0 for _ in self._book.groups]
@@ -243,17 +242,26 @@ class OffloadScheduler:
             job.stale = True
             self._transfers.flush(job.job_id)
         self.manager.reset()
+        self._reset_fence = set(self._book.jobs)
+        if not self._reset_fence:
+            self.extension.on_reset_flushed()
+
+    def _count_down_reset_fence(self) -> None:
+        """Tell the extension once every job in flight at the last reset has reported (vLLM's reset fence)."""
+        if self._reset_fence:
+            self._reset_fence.intersection_update(self._book.jobs)
+            if not self._reset_fence:
+                self.extension.on_reset_flushed()
 
     def has_pending_work(self) -> bool:
         """Whether copy jobs are in flight or queued, or the extension has work pending."""
         if self._book.jobs or self._transfers.has_queued_loads():
             return True
-        return self.extension is not None and self.extension.has_pending_work()
+        return self.extension.has_pending_work()
 
     def close(self) -> None:
         """Release the extension's resources (threads, connections); the scheduler itself holds none."""
-        if self.extension is not None:
-            self.extension.close()
+        self.extension.close()
 
     # ------------------------------------------------------------------------------------ lookups
 
@@ -268,16 +276,11 @@ class OffloadScheduler:
         ``stats().lookups`` counts a request's final answers (an int), ``lookups_deferred`` its ``None`` answers
         (re-asks).
         """
-        ext = self.extension
-        if ext is None:
-            return self._lookups.lookup(req_id, num_computed_tokens)
-        req = self._book.request(req_id)
-        if ext.defer_lookup(req_id, req.keys, num_computed_tokens):
+        advice = self.extension.advise_lookup(req_id, self._book.request(req_id).keys, num_computed_tokens)
+        if advice.defer:
             self._book.stats.lookups_deferred += 1
             return None
-        return self._lookups.lookup(
-            req_id, num_computed_tokens, ext.unavailable_keys(req_id), ext.chained_promotions(req_id)
-        )
+        return self._lookups.lookup(req_id, num_computed_tokens, advice.unavailable, advice.chained)
 
     def is_sync_load(self, req_id: str) -> bool:
         """Whether the hit of the request's last lookup loads inside the step (``sync_load_budget_bytes``).
@@ -322,7 +325,7 @@ class OffloadScheduler:
     def build_step_plan(self) -> StepPlan:
         """The StepPlan for this step: queued loads, stores of newly complete chunks, flushes, tier jobs."""
         # The extension plans first: chunks it pins are then safe from this step's store evictions.
-        tier_jobs = self.extension.plan_tier_jobs() if self.extension is not None else ()
+        tier_jobs = self.extension.plan_tier_jobs()
         plan = self._transfers.build_step_plan(tier_jobs)
         self._lookups.new_step()
         if self._flush_tiers:
@@ -341,19 +344,21 @@ class OffloadScheduler:
         """
         reports = list(reports)
         outcome = self._reports.on_worker_reports(reports)
-        if self.extension is not None:
-            self.extension.on_worker_reports(reports)
+        self.extension.on_worker_reports(reports)
+        self._count_down_reset_fence()
         return outcome
 
     def fail_jobs(self, job_ids: Iterable[int]) -> ReportOutcome:
         """Fail copy jobs outright (e.g. a worker died before reporting them): pins released, data never ready."""
-        return self._reports.fail_jobs(job_ids)
+        outcome = self._reports.fail_jobs(job_ids)
+        self._count_down_reset_fence()
+        return outcome
 
     def fail_in_flight(self) -> ReportOutcome:
         """A worker died: fail every copy job in flight and every job of the extension's."""
         outcome = self._reports.fail_jobs(self.in_flight_job_ids())
-        if self.extension is not None:
-            self.extension.fail_in_flight()
+        self.extension.fail_in_flight()
+        self._count_down_reset_fence()
         return outcome
 
     def in_flight_job_ids(self) -> list[int]:
@@ -361,8 +366,7 @@ class OffloadScheduler:
         return sorted(self._book.jobs)
 
     def _store_completed(self, keys: list[OffloadKey]) -> None:
-        if self.extension is not None:
-            self.extension.on_store_completed(keys)
+        self.extension.on_store_completed(keys)
 
     # ------------------------------------------------------------------------------------- stats, events
 
@@ -379,8 +383,7 @@ class OffloadScheduler:
         """
         events: list[KVEvent] = []
         pool_events = self.manager.take_events()
-        if self.extension is not None:
-            pool_events.extend(self.extension.take_events())
+        pool_events.extend(self.extension.take_events())
         for event in pool_events:
             if event.metadata_only:
                 continue
