@@ -268,6 +268,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
     "kvoffload.offload.scheduler": [
         "ChunkMiss",
         "Direction",
+        "ExtensionFigures",
         "Locality",
         "LookupAdvice",
         "OffloadScheduler",
@@ -276,6 +277,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "SchedulerStats",
         "TierFilter",
         "TierMatcher",
+        "TierStatsRow",
         "maximal_prefix_lookup",
         "parse_load_tiers",
         "sliding_window_lookup",

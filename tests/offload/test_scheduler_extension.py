@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from kvoffload import BlockStored, JobResult, Medium, OffloadKey, SchedulerExtension, WorkerReport, make_offload_key
 from kvoffload._packed import pack_int64
 from kvoffload.offload.manager import HostBlockManager, OffloadEvent
-from kvoffload.offload.scheduler import LookupAdvice, OffloadScheduler, TierFilter, parse_load_tiers
+from kvoffload.offload.scheduler import ExtensionFigures, LookupAdvice, OffloadScheduler, TierFilter, parse_load_tiers
 from kvoffload.tiers import TierJob
 from tests.helpers import chained_hashes, offloading_config
 
@@ -220,5 +220,6 @@ def test_a_scheduler_without_an_extension_runs_the_null_one() -> None:
     assert plan.tier_jobs == () and len(plan.store_jobs) == 1
     sched.on_worker_reports([_report(plan.store_jobs[0].job_id, store=True)])
     assert not sched.has_pending_work() and sched.take_events() == []
+    assert sched.extension.figures() == ExtensionFigures() and sched.extension.describe() == []
     sched.reset()
     sched.close()

@@ -154,6 +154,8 @@ def test_cascade_then_restart_promotes_from_disk_byte_exact(tmp_path: Path) -> N
         hit, got = _reload(second)
         assert hit == 112
         assert second.tiering.counters()["tier_lookups_retry"] >= 1, "the first answer is RETRY"
+        figures = second.sched.extension.figures()  # what metrics and logs read, without knowing it is Tiering
+        assert figures.tiers == tuple(second.tiering.stats) and figures.counters == second.tiering.counters()
         assert second.tiering.stats[0].promoted_chunks == 8
         assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
         assert second.sched.stats().tokens_loaded == 112
@@ -282,7 +284,7 @@ def _until_promotion_queued(engine: _Engine, req: str) -> None:
     """Ask (RETRY while the tier query runs) until the lookup has queued a promotion (HIT_PENDING)."""
     for _ in range(400):
         assert engine.sched.lookup(req, 0) is None
-        if engine.tiering._promoting.get(req):
+        if engine.tiering._jobs.promoting(req):
             return
         time.sleep(0.005)
     raise AssertionError("no promotion was queued")

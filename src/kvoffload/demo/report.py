@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvoffload.demo.worker_hook import TierFigures
-from kvoffload.tiers import TierStatsRow
+from kvoffload.offload.scheduler import TierStatsRow
 
 __all__ = ["DemoResult", "render_misses", "render_result"]
 

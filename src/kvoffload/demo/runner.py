@@ -22,7 +22,7 @@ from kvoffload.demo.workload import DEFAULT_OPTIONS, DemoOptions, check_options,
 from kvoffload.errors import DeadlineError, HostMemoryError
 from kvoffload.offload.pool import available_host_memory_bytes, plan_host_pool_from_config
 from kvoffload.runtime.cluster import DEFAULT_START_TIMEOUT_S, WorkerCluster
-from kvoffload.tiers import EmbeddedValkey, Tiering, start_embedded_servers
+from kvoffload.tiers import EmbeddedValkey, start_embedded_servers
 from kvoffload.translate import translate_snapshot, validate_runnable
 
 if TYPE_CHECKING:
@@ -124,8 +124,7 @@ def _drive(
         if bar is not None:
             bar.close()
     demo.sched.on_worker_reports(final.reports)
-    if isinstance(demo.sched.extension, Tiering):
-        demo.result.tiers = list(demo.sched.extension.stats)
+    demo.result.tiers = list(demo.sched.extension.figures().tiers)
     demo.observe(final=True)
     probes = [p for extras in final.attachments.values() if (p := memcpy_gbps_of(extras)) is not None]
     stats = demo.sched.stats()

@@ -16,7 +16,7 @@ from kvoffload.metrics._tiers import TIER_METRICS, TIERING_METRICS
 from kvoffload.offload.scheduler import SchedulerStats
 
 if TYPE_CHECKING:
-    from kvoffload.offload.scheduler import OffloadScheduler, SchedulerExtension
+    from kvoffload.offload.scheduler import ExtensionFigures, OffloadScheduler
 
 __all__ = ["ALLOCATION_BUCKETS", "STAT_METRICS", "SchedulerMetrics"]
 
@@ -236,16 +236,14 @@ class SchedulerMetrics:
         chunks["write_pending"].set(pending)
         chunks["ready"].set(ready)
         chunks["pinned"].set(num - free - pending - ready)
-        self._observe_tiers(sched.extension)
+        self._observe_tiers(sched.extension.figures())
         return True
 
-    def _observe_tiers(self, extension: SchedulerExtension) -> None:
+    def _observe_tiers(self, figures: ExtensionFigures) -> None:
         """Each secondary tier's outages, availability and counters (``tier`` label: kind and index, ``fs0``)."""
-        from kvoffload.tiers import Tiering  # loaded already when the scheduler has tiers
-
-        if not isinstance(extension, Tiering):
+        if not figures.tiers:
             return
-        for row in extension.stats:
+        for row in figures.tiers:
             label = row.label
             if label not in self._outages:
                 self._outages[label] = self._rec.counter(self._outages_family, "tier_outages", tier=label)
@@ -265,9 +263,8 @@ class SchedulerMetrics:
             for name, (metric, _, doc) in TIERING_METRICS.items():
                 self._tier_series[(name, "")] = self._rec.counter(self._rec.counter_family(metric, doc), metric)
                 self._tiering_series[name] = self._tier_series[(name, "")]
-        counters = extension.counters()
         for name in self._tiering_series:
-            self._advance((name, ""), counters.get(name, 0))
+            self._advance((name, ""), figures.counters.get(name, 0))
 
     def _advance(self, key: tuple[str, str], total: float) -> None:
         """Add what ``total`` grew by since the last reading to the series of ``key``."""

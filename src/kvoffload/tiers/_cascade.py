@@ -41,16 +41,22 @@ import logging
 from collections.abc import Sequence
 
 from kvoffload._generated import OffloadingConfig, TieringConfig, TierJob, TierJobResult, WorkerReport
-from kvoffload._packed import Int32Array, pack_int64
 from kvoffload.errors import InvalidStateError
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.manager import HostBlockManager, OffloadEvent
-from kvoffload.offload.scheduler import Locality, LookupAdvice, SchedulerExtension, TierFilter
+from kvoffload.offload.scheduler import (
+    ExtensionFigures,
+    Locality,
+    LookupAdvice,
+    SchedulerExtension,
+    TierFilter,
+    TierStatsRow,
+)
 from kvoffload.tiers._backpressure import EMABackpressureDetector, resolve_backpressure
 from kvoffload.tiers._base import SecondaryTier
 from kvoffload.tiers._config import open_tier
-from kvoffload.tiers._health import TierHealth, TierStatsRow, tier_is_healthy, tier_type
-from kvoffload.tiers._jobs import TierJobState, count_finished
+from kvoffload.tiers._health import TierHealth, tier_is_healthy, tier_type
+from kvoffload.tiers._jobs import TierJobBook, TierJobState, count_finished
 from kvoffload.tiers._load_filters import LoadFilters, configured_locality, tier_place
 from kvoffload.tiers._lookup_gate import LookupGate, Query, QueryAnswer
 from kvoffload.tiers._namespace import namespaces_for_all_ranks
@@ -92,7 +98,7 @@ class Tiering(SchedulerExtension):
         bpc = config.cache.blocks_per_chunk
         self._tokens_per_chunk = tuple(g.tokens_per_block * bpc for g in config.groups)
         namespaces = namespaces_for_all_ranks(config)
-        self._ranks_reporting = config.parallel.world_size
+        self._jobs = TierJobBook(config.parallel.world_size)
         self._lookup_tiers: list[list[SecondaryTier]] = []
         self._gate = LookupGate(
             self._lookup_tiers, tiering.tier_lookup_timeout_s, tiering.tier_down_after_s, log=self._log
@@ -122,13 +128,8 @@ class Tiering(SchedulerExtension):
         self._queries: dict[str, Query] = {}
         self._queried: dict[str, set[OffloadKey]] = {}
         self._unreachable: dict[str, set[OffloadKey]] = {}  # host misses a tier could not be asked for
-        self._promoting: dict[str, set[int]] = {}
         self._chained: set[OffloadKey] = set()  # keys promoted by the plan being built (chain_promotions)
-        self._tier_jobs: dict[int, TierJobState] = {}
-        self._next_tier_job = 0
-        self._queued_tier_jobs: list[TierJob] = []
         self._cascade_queue: list[OffloadKey] = []
-        self._fence: set[int] = set()  # stale tier jobs in flight since a reset
         self._reset_held = False  # from a reset until the scheduler's copy jobs of before it have all reported
         self._counters = {"tier_lookups_retry": 0, "promotions_refused": 0, "tier_hits": 0}
         self._poll_s = tiering.tier_poll_interval_s
@@ -158,12 +159,12 @@ class Tiering(SchedulerExtension):
     def _defer(self, req_id: str, keys: Sequence[Sequence[OffloadKey]], num_computed_tokens: int) -> bool:
         """Ask the tiers for chunks the host pool misses: True (ask again later) while a tier query runs
         (RETRY, at most ``tier_lookup_timeout_s``) or a promotion is in flight (HIT_PENDING)."""
-        if not self._lookup_tiers or self._fence or self._reset_held:
+        if not self._lookup_tiers or self._jobs.fence or self._reset_held:
             return False  # no tiers, or a reset not yet flushed: the host pool answers alone (a tier-only chunk misses)
         allowed = self._filters.allowed(req_id)
         if not any(allowed):
             return False  # its kv_load_tiers allows no tier: the request loads host hits only
-        if self._promoting.get(req_id):
+        if self._jobs.promoting(req_id):
             return True
         query = self._queries.get(req_id)
         if query is None:
@@ -258,28 +259,11 @@ class Tiering(SchedulerExtension):
             tier_keys, chunks = by_tier.setdefault(where[key], ([], []))
             tier_keys.append(key)
             chunks.append(chunk)
-        jobs = self._promoting.setdefault(req_id, set())
         for t, (tier_keys, chunks) in sorted(by_tier.items()):
-            job = self._new_tier_job(t, True, tier_keys, chunks, req_id, sum(tokens[k] for k in tier_keys))
-            jobs.add(job.job_id)
+            self._jobs.new(t, True, tier_keys, chunks, req_id, sum(tokens[k] for k in tier_keys))
         if self.chain_promotions:
             self._chained.update(plan.keys_to_store)
         return True
-
-    def _new_tier_job(
-        self, tier: int, is_promotion: bool, keys: list[OffloadKey], chunks: list[int], req_id: str | None, tokens: int
-    ) -> TierJob:
-        job = TierJob(
-            job_id=self._next_tier_job,
-            tier=tier,
-            is_promotion=is_promotion,
-            keys=tuple(keys),
-            chunk_ids=pack_int64(chunks),
-        )
-        self._next_tier_job += 1
-        self._tier_jobs[job.job_id] = TierJobState(job, req_id, self._ranks_reporting, tokens)
-        self._queued_tier_jobs.append(job)
-        return job
 
     # ------------------------------------------------------------------------------------ plans
 
@@ -292,8 +276,7 @@ class Tiering(SchedulerExtension):
         self._chained.clear()  # a chained hit is loaded in this plan or not at all
         self._gate.watch(self._health)
         self._plan_cascades()
-        jobs, self._queued_tier_jobs = self._queued_tier_jobs, []
-        return tuple(jobs)
+        return self._jobs.take_queued()
 
     def _plan_cascades(self) -> None:
         keys, self._cascade_queue = self._cascade_queue, []
@@ -318,7 +301,7 @@ class Tiering(SchedulerExtension):
             if not pinned:
                 manager.prepare_load(ready)  # one pin per tier job, released when every rank reported it
             pinned = False
-            self._new_tier_job(t, False, list(ready), list(chunks), None, 0)
+            self._jobs.new(t, False, list(ready), list(chunks), None, 0)
         if pinned:
             manager.complete_load(ready)  # every tier dropped it
 
@@ -331,36 +314,18 @@ class Tiering(SchedulerExtension):
                 self._on_tier_result(report.rank, result)
 
     def _on_tier_result(self, rank: int, result: TierJobResult) -> None:
-        state = self._tier_jobs.get(result.job_id)
-        if state is None or rank in state.reported:
-            return
-        state.reported.add(rank)
-        state.failed.update(Int32Array.from_buffer(result.failed).tolist())
-        if result.corrupt:
-            corrupt = Int32Array.from_buffer(result.corrupt).tolist()
-            self.stats[state.job.tier].corrupt_records += len(corrupt)
-            state.corrupt.update(corrupt)
-        state.num_bytes += result.num_bytes
-        state.seconds = max(state.seconds, result.seconds)
-        state.pending -= 1
-        if state.pending == 0:
+        state = self._jobs.on_result(rank, result)
+        if state is not None:
             self._finish_tier_job(state)
 
     def _finish_tier_job(self, state: TierJobState) -> None:
-        del self._tier_jobs[state.job.job_id]
-        self._fence.discard(state.job.job_id)
+        self._jobs.finish(state)
         job = state.job
         row = self.stats[job.tier]
         keys = [OffloadKey(key) for key in job.keys]  # the wire type holds plain bytes
         bad = [keys[i] for i in sorted(state.failed) if i < len(keys)]
         good = [k for i, k in enumerate(keys) if i not in state.failed]
         if job.is_promotion:
-            if state.req_id is not None:
-                jobs = self._promoting.get(state.req_id)
-                if jobs is not None:
-                    jobs.discard(job.job_id)
-                    if not jobs:
-                        del self._promoting[state.req_id]
             if not state.stale:
                 if good:
                     self.manager.complete_store(good, success=True)
@@ -370,20 +335,20 @@ class Tiering(SchedulerExtension):
             if not state.stale:
                 self.manager.complete_load(keys)
             self._events.stored(job.tier, good)  # in every rank's namespace now
-            per_rank = state.num_bytes // max(1, self._ranks_reporting)
+            per_rank = state.num_bytes // max(1, self._jobs.ranks)
             self._detectors[job.tier].record(per_rank, state.seconds, success=not bad)
         count_finished(row, state, len(good), len(bad))
         self._events.removed(job.tier, [keys[i] for i in sorted(state.corrupt) if i < len(keys)])
 
     def fail_in_flight(self) -> None:
         """Fail every tier job in flight (a worker died): pins released, promoted chunks never ready."""
-        for state in list(self._tier_jobs.values()):
+        for state in list(self._jobs.jobs.values()):
             state.failed.update(range(len(state.job.keys)))
             self._finish_tier_job(state)
 
     def has_pending_work(self) -> bool:
         """Tier jobs in flight, cascades still to plan, or tier queries running."""
-        return bool(self._tier_jobs or self._cascade_queue or self._queries or self._fence)
+        return bool(self._jobs.jobs or self._cascade_queue or self._queries)
 
     def reset(self) -> None:
         """vLLM ``reset_cache``: tier jobs not yet sent are dropped (the reset frees their chunks), jobs in flight
@@ -391,20 +356,8 @@ class Tiering(SchedulerExtension):
         and until every stale job has reported, lookups answer from the host pool alone (a chunk only a tier
         holds is a MISS), as vLLM holds promotions until the reset is flushed: until :meth:`on_reset_flushed` too,
         even when no tier job was in flight."""
-        unsent = {job.job_id for job in self._queued_tier_jobs}
-        self._queued_tier_jobs = []
+        self._jobs.reset()
         self._chained.clear()
-        for job_id in unsent:
-            state = self._tier_jobs.pop(job_id)
-            if state.req_id is not None:
-                jobs = self._promoting.get(state.req_id)
-                if jobs is not None:
-                    jobs.discard(job_id)
-                    if not jobs:
-                        del self._promoting[state.req_id]
-        for state in self._tier_jobs.values():
-            state.stale = True
-        self._fence = set(self._tier_jobs)
         self._cascade_queue.clear()
         self._queried.clear()
         self._unreachable.clear()
@@ -446,6 +399,10 @@ class Tiering(SchedulerExtension):
         """Tier lookup counters: RETRY answers, lookups past the timeout, promotions refused (host full), tier
         hits."""
         return {**self._counters, "tier_lookups_late": self._gate.late}
+
+    def figures(self) -> ExtensionFigures:
+        """Each tier's row (live) and the lookup counters, for metrics and logs."""
+        return ExtensionFigures(tuple(self.stats), self.counters())
 
     def backpressure(self, tier: int) -> EMABackpressureDetector:
         """The backpressure detector of tier ``tier``."""

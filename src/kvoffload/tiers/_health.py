@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from kvoffload._generated import FsTierConfig, SecondaryTierConfig, TieringConfig, ValkeyTierConfig
 from kvoffload.errors import TierUnusableError
+from kvoffload.offload.scheduler import TierStatsRow
 from kvoffload.tiers._base import SecondaryTier, TierBase
 from kvoffload.tiers._record import SECRET_ENV, record_secret
 
@@ -52,60 +52,6 @@ def tier_is_healthy(tier: SecondaryTier) -> bool:
     """The cheap check of the lookup path (no IO): a built-in tier's :meth:`TierBase.is_healthy`, any other tier's
     ``available``."""
     return tier.is_healthy() if isinstance(tier, TierBase) else tier.available
-
-
-@dataclass(slots=True)
-class TierStatsRow:
-    """What one tier did for this scheduler: cascades, drops, promotions, their bytes and seconds, and outages."""
-
-    name: str
-    cascaded_chunks: int = 0
-    cascade_failures: int = 0
-    dropped_chunks: int = 0
-    promoted_chunks: int = 0
-    promotion_failures: int = 0
-    cascade_job_failures: int = 0
-    """Cascade jobs with at least one failed chunk (vLLM's ``cascade_job_failures``)."""
-    promotion_job_failures: int = 0
-    """Promotion jobs with at least one failed chunk (vLLM's ``promotion_job_failures``)."""
-    chunk_queries: int = 0
-    """Chunks the scheduler's lookups asked the tier about (vLLM's ``chunk_queries``)."""
-    chunk_hits: int = 0
-    """Of those, chunks every rank's namespace had (vLLM's ``chunk_hits``)."""
-    corrupt_records: int = 0
-    """Records a worker found bad (damaged, of another namespace, not authenticated): missed and deleted."""
-    tokens_promoted: int = 0
-    bytes_written: int = 0
-    write_seconds: float = 0.0
-    bytes_read: int = 0
-    read_seconds: float = 0.0
-    index: int = 0
-    """The tier's position in ``secondary_tiers``."""
-    available: bool = True
-    """Whether the scheduler's last lookup (or probe) reached every rank's namespace of the tier."""
-    outages: int = 0
-    """Times the tier went unavailable, as the scheduler saw it (one per outage, whatever the ranks)."""
-    unavailable_reason: str = ""
-    """Why the tier went unavailable last (kept after it came back)."""
-
-    @property
-    def label(self) -> str:
-        """The tier's metric label: its kind and index (``fs0``, ``valkey1``)."""
-        return f"{self.name}{self.index}"
-
-    @property
-    def vllm_label(self) -> str:
-        """The tier's label as vLLM's tiering metrics spell it: its place below the host pool (the primary tier is
-        0) and its kind (``1:fs``, ``2:valkey``)."""
-        return f"{self.index + 1}:{self.name}"
-
-    @property
-    def write_gbps(self) -> float:
-        return self.bytes_written / self.write_seconds / 1e9 if self.write_seconds else 0.0
-
-    @property
-    def read_gbps(self) -> float:
-        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else 0.0
 
 
 class TierHealth:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from kvoffload.tiers import Tiering, TierStatsRow
+    from kvoffload.offload.scheduler import TierStatsRow
 
 from kvoffload.integrations.vllm._kv_events import SelfDescribingEvents, to_vllm_events
 from kvoffload.integrations.vllm._messages import (
@@ -122,16 +122,8 @@ class _SchedulerHalf:
             if config.enable_kv_cache_events and options.self_describing_kv_events
             else None
         )
-        tiers_in = self._tiering()
-        tiers = tiers_in.describe() if tiers_in is not None else []
+        tiers = self.scheduler.extension.describe()
         logger.info("%s", start_line(pool, config, options, engine_on_cpu=engine_on_cpu, tiers=tiers))
-
-    def _tiering(self) -> Tiering | None:
-        """The scheduler's tiers, when it has any."""
-        ext = self.scheduler.extension
-        from kvoffload.tiers import Tiering
-
-        return ext if isinstance(ext, Tiering) else None
 
     def track(self, request: Request) -> _Tracked:
         """The tracked state of ``request``, registering it with the scheduler the first time it is seen."""
@@ -292,8 +284,7 @@ class _SchedulerHalf:
         if self._closed:
             return
         self._closed = True
-        tiering = self._tiering()
-        logger.info("%s", shutdown_line(self.scheduler.stats(), tiering.stats if tiering is not None else ()))
+        logger.info("%s", shutdown_line(self.scheduler.stats(), self.scheduler.extension.figures().tiers))
         self.scheduler.close()
 
     def interval_stats(self) -> KVOffloadConnectorStats:
@@ -303,12 +294,11 @@ class _SchedulerHalf:
         now: dict[str, float] = {metric: getattr(stats, field) for field, metric in STAT_METRICS.items()}
         for reason, count in stats.lookup_miss_reasons.items():
             now[f"lookup_misses_{reason.value}"] = count
-        tiering = self._tiering()
-        if tiering is not None:  # per tier, as vLLM's tiering labels its tiers: "<metric>@1:fs"
-            for row in tiering.stats:
+        figures = self.scheduler.extension.figures()
+        if figures.tiers:  # per tier, as vLLM's tiering labels its tiers: "<metric>@1:fs"
+            for row in figures.tiers:
                 now.update((f"{TIER_METRICS[f][0]}@{row.vllm_label}", getattr(row, f)) for f in TIER_METRICS)
-            counters = tiering.counters()
-            now.update((metric, counters.get(key, 0)) for key, (metric, _, _) in TIERING_METRICS.items())
+            now.update((metric, figures.counters.get(key, 0)) for key, (metric, _, _) in TIERING_METRICS.items())
         delta: dict[str, Any] = {}
         for name, value in now.items():
             previous = self._reported.get(name, 0)

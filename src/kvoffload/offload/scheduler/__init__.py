@@ -10,7 +10,7 @@ loads may come from.
 from kvoffload.offload._direction import Direction
 from kvoffload.offload.scheduler._extension import LookupAdvice, SchedulerExtension
 from kvoffload.offload.scheduler._misses import ChunkMiss
-from kvoffload.offload.scheduler._results import ReportOutcome, SchedulerStats
+from kvoffload.offload.scheduler._results import ExtensionFigures, ReportOutcome, SchedulerStats, TierStatsRow
 from kvoffload.offload.scheduler._scan import maximal_prefix_lookup, sliding_window_lookup
 from kvoffload.offload.scheduler._scheduler import OffloadScheduler
 from kvoffload.offload.scheduler._tier_filter import Locality, TierFilter, TierMatcher, parse_load_tiers
@@ -18,6 +18,7 @@ from kvoffload.offload.scheduler._tier_filter import Locality, TierFilter, TierM
 __all__ = [
     "ChunkMiss",
     "Direction",
+    "ExtensionFigures",
     "Locality",
     "LookupAdvice",
     "OffloadScheduler",
@@ -26,6 +27,7 @@ __all__ = [
     "SchedulerStats",
     "TierFilter",
     "TierMatcher",
+    "TierStatsRow",
     "maximal_prefix_lookup",
     "parse_load_tiers",
     "sliding_window_lookup",

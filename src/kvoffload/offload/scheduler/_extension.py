@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from kvoffload._generated import TierJob, WorkerReport
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.manager import OffloadEvent
+from kvoffload.offload.scheduler._results import ExtensionFigures
 from kvoffload.offload.scheduler._tier_filter import TierFilter
 
 __all__ = ["LookupAdvice", "SchedulerExtension"]
@@ -87,6 +88,14 @@ class SchedulerExtension:
     def on_reset_flushed(self) -> None:
         """Every copy job in flight at the last reset has reported (at once when none was): no late write can
         land in a freed host row any more (vLLM's ``on_reset_flushed``)."""
+
+    def figures(self) -> ExtensionFigures:
+        """What the extension did, for metrics and logs (read on the scheduler's thread; the rows are live)."""
+        return ExtensionFigures()
+
+    def describe(self) -> list[str]:
+        """One phrase per tier for the engine's start line (kind, where, capacity)."""
+        return []
 
     def close(self) -> None:
         """Release the extension's threads, connections and files."""

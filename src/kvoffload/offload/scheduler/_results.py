@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from kvoffload._generated import MissReason
 
-__all__ = ["ReportOutcome", "SchedulerStats"]
+__all__ = ["ExtensionFigures", "ReportOutcome", "SchedulerStats", "TierStatsRow"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,3 +96,66 @@ class SchedulerStats:
             chunk_miss_reasons=dict(self.chunk_miss_reasons),
             chunks_removed=dict(self.chunks_removed),
         )
+
+
+@dataclass(slots=True)
+class TierStatsRow:
+    """What one tier did for this scheduler: cascades, drops, promotions, their bytes and seconds, and outages."""
+
+    name: str
+    cascaded_chunks: int = 0
+    cascade_failures: int = 0
+    dropped_chunks: int = 0
+    promoted_chunks: int = 0
+    promotion_failures: int = 0
+    cascade_job_failures: int = 0
+    """Cascade jobs with at least one failed chunk (vLLM's ``cascade_job_failures``)."""
+    promotion_job_failures: int = 0
+    """Promotion jobs with at least one failed chunk (vLLM's ``promotion_job_failures``)."""
+    chunk_queries: int = 0
+    """Chunks the scheduler's lookups asked the tier about (vLLM's ``chunk_queries``)."""
+    chunk_hits: int = 0
+    """Of those, chunks every rank's namespace had (vLLM's ``chunk_hits``)."""
+    corrupt_records: int = 0
+    """Records a worker found bad (damaged, of another namespace, not authenticated): missed and deleted."""
+    tokens_promoted: int = 0
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+    index: int = 0
+    """The tier's position in ``secondary_tiers``."""
+    available: bool = True
+    """Whether the scheduler's last lookup (or probe) reached every rank's namespace of the tier."""
+    outages: int = 0
+    """Times the tier went unavailable, as the scheduler saw it (one per outage, whatever the ranks)."""
+    unavailable_reason: str = ""
+    """Why the tier went unavailable last (kept after it came back)."""
+
+    @property
+    def label(self) -> str:
+        """The tier's metric label: its kind and index (``fs0``, ``valkey1``)."""
+        return f"{self.name}{self.index}"
+
+    @property
+    def vllm_label(self) -> str:
+        """The tier's label as vLLM's tiering metrics spell it: its place below the host pool (the primary tier is
+        0) and its kind (``1:fs``, ``2:valkey``)."""
+        return f"{self.index + 1}:{self.name}"
+
+    @property
+    def write_gbps(self) -> float:
+        return self.bytes_written / self.write_seconds / 1e9 if self.write_seconds else 0.0
+
+    @property
+    def read_gbps(self) -> float:
+        return self.bytes_read / self.read_seconds / 1e9 if self.read_seconds else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ExtensionFigures:
+    """What an extension reports for metrics and logs: one row per tier (config order) and its counters that
+    are not per tier (``tier_lookups_retry``, ``promotions_refused``, ...). Empty for the null extension."""
+
+    tiers: tuple[TierStatsRow, ...] = ()
+    counters: dict[str, int] = field(default_factory=dict)
