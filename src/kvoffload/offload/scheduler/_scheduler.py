@@ -83,7 +83,7 @@ class OffloadScheduler:
     end of what they hold; ``mamba_align_group_ids``, the ``mamba_cache_mode="align"`` Mamba groups (offloaded
     as a window of one chunk), to whose chunk size every hit end is rounded down;
     ``prefix_cache_retention_interval`` (tokens, vLLM's cache config), checked as vLLM's scheduler checks it (>= 0,
-    a multiple of every window group's tokens per chunk) and otherwise not used (see the README's limitations).
+    a multiple of every window group's tokens per chunk) and otherwise not used (see docs/limitations.md).
     """
 
     def __init__(
