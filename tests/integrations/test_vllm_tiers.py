@@ -28,7 +28,7 @@ from kvoffload.offload.keys import hash_token_blocks
 from kvoffload.offload.pool import HostPool, plan_host_pool_from_config
 from kvoffload.offload.worker import OffloadWorker
 from kvoffload.offload.worker.copy import CopyEngine, transfer_layout_from_config
-from kvoffload.tiers import TierWorker
+from kvoffload.tiers import Tiering, TierWorker
 from kvoffload.translate import translate_snapshot
 
 CHUNK = 256 * 1024
@@ -61,8 +61,8 @@ class _Half:
         self.kv = torch.randint(0, 256, (tensor.size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
         self.pool = HostPool(plan_host_pool_from_config(self.config), pin_memory=False)
         layout = transfer_layout_from_config(snapshot.kv_cache_config, self.config)
-        tiering = self.half._tiering()
-        assert tiering is not None
+        tiering = self.half.scheduler.extension
+        assert isinstance(tiering, Tiering)
         self.tiering = tiering
         self.worker = OffloadWorker(
             CopyEngine(self.kv, layout, self.pool), rank=0, tiers=TierWorker(tiering.tiering, self.config, self.pool)

@@ -66,7 +66,21 @@ def test_compare_with_raw_is_none_without_records_or_for_a_tier_it_does_not_know
         assert raw_throughput(tier, _keys(3)) is None
 
     class Elsewhere(TierBase):
+        """A tier whose medium has no raw baseline (it holds nothing)."""
+
         name = "elsewhere"
+
+        def _store_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[int]:
+            return [len(r) for r in rows]
+
+        def _load_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[None]:
+            return [None] * len(keys)
+
+        def _exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
+            return [False] * len(keys)
+
+        def _delete(self, key: bytes) -> None:
+            pass
 
     other = Elsewhere(n_read_threads=1, n_write_threads=1)
     try:
@@ -118,6 +132,15 @@ class _Gated(TierBase):
     def _store_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[int | None]:
         self.gate.wait(30)
         return [len(r) for r in rows]
+
+    def _load_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[None]:
+        return [None] * len(keys)
+
+    def _exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        return [False] * len(keys)
+
+    def _delete(self, key: bytes) -> None:
+        pass
 
 
 def test_busy_seconds_count_overlapping_jobs_once() -> None:

@@ -154,3 +154,12 @@ def test_builtin_types_still_open(tmp_path: Path) -> None:
     finally:
         tier.close()
     assert TieringConfig() == tiering_config_from_extra({})
+
+
+def test_tier_base_is_abstract_a_subclass_missing_its_medium_cannot_be_built() -> None:
+    class Half(TierBase):
+        def _store_batch(self, keys, rows):  # type: ignore[no-untyped-def]
+            return [len(r) for r in rows]
+
+    with pytest.raises(TypeError, match=r"abstract method.*_delete"):
+        Half(n_read_threads=1, n_write_threads=1)  # type: ignore[abstract]

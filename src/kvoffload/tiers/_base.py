@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ class _Job:
     num_bytes: int = 0
 
 
-class TierBase:
+class TierBase(ABC):
     """Thread pools, job tracking, availability back-off and counters shared by the built-in tiers.
 
     Subclasses split a job into batches (``_batches``) that run on the read or write pool; each batch
@@ -91,19 +92,24 @@ class TierBase:
 
     # ------------------------------------------------------------------ to implement
 
+    @abstractmethod
     def _store_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> Sequence[int | TierError | None]:
-        raise NotImplementedError
+        """Write each row under its key: per item, bytes written, or a TierError for an item that failed."""
 
+    @abstractmethod
     def _load_batch(
         self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]
     ) -> Sequence[int | RecordError | TierError | None]:
-        raise NotImplementedError
+        """Read each key's record into its row: per item, bytes read, None for a miss, a RecordError for a bad
+        record, or a TierError for an item that could not be read."""
 
+    @abstractmethod
     def _exists_batch(self, keys: Sequence[OffloadKey]) -> Sequence[bool | TierError]:
-        raise NotImplementedError
+        """Whether each key has a record: per key, a bool, or a TierError for a key that could not be asked."""
 
+    @abstractmethod
     def _delete(self, key: bytes) -> None:
-        raise NotImplementedError
+        """Remove the record of ``key`` (a bad one); a missing record is no error."""
 
     def _batches(self, n: int, direction: Direction) -> list[range]:
         """How a job of ``n`` items is split across the pool (default: evenly over the pool's threads)."""
