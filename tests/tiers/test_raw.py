@@ -60,27 +60,31 @@ def test_compare_with_raw_times_the_tier_on_the_same_records_and_removes_its_scr
         assert failed == () and bool((out == rows).all()), "the records are untouched"
 
 
+class _Empty(TierBase):
+    """A medium that holds nothing: loads miss, lookups say no; subclasses say how stores go."""
+
+    def _load_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[None]:
+        return [None] * len(keys)
+
+    def _exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        return [False] * len(keys)
+
+    def _delete(self, key: bytes) -> None:
+        pass
+
+
 def test_compare_with_raw_is_none_without_records_or_for_a_tier_it_does_not_know(tmp_path: Path) -> None:
     with FsTier(tmp_path, _ns(), n_read_threads=1, n_write_threads=1) as tier:
         assert compare_with_raw(tier, _keys(3), ROW) is None
         assert raw_throughput(tier, _keys(3)) is None
 
-    class Elsewhere(TierBase):
+    class Elsewhere(_Empty):
         """A tier whose medium has no raw baseline (it holds nothing)."""
 
         name = "elsewhere"
 
         def _store_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[int]:
             return [len(r) for r in rows]
-
-        def _load_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[None]:
-            return [None] * len(keys)
-
-        def _exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
-            return [False] * len(keys)
-
-        def _delete(self, key: bytes) -> None:
-            pass
 
     other = Elsewhere(n_read_threads=1, n_write_threads=1)
     try:
@@ -120,7 +124,7 @@ def test_valkey_cluster_raw_baseline_sets_through_the_cluster_client_and_deletes
         assert sorted(client.keys("*", target_nodes=client.ALL_NODES)) == before, "scratch keys are deleted"
 
 
-class _Gated(TierBase):
+class _Gated(_Empty):
     """Stores wait for a gate: two jobs are in flight at once, deterministically."""
 
     name = "gated"
@@ -132,15 +136,6 @@ class _Gated(TierBase):
     def _store_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[int | None]:
         self.gate.wait(30)
         return [len(r) for r in rows]
-
-    def _load_batch(self, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> list[None]:
-        return [None] * len(keys)
-
-    def _exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
-        return [False] * len(keys)
-
-    def _delete(self, key: bytes) -> None:
-        pass
 
 
 def test_busy_seconds_count_overlapping_jobs_once() -> None:
