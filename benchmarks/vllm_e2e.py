@@ -302,6 +302,13 @@ def main() -> None:
         "with one Valkey server, then a 3-node Valkey cluster",
     )
     parser.add_argument(
+        "--store",
+        choices=["default", "obj"],
+        default="default",
+        help="restart and shared: default (a disk tier; a Valkey server, then a Valkey cluster) or obj (an "
+        "object-store tier on a real S3 server, SeaweedFS)",
+    )
+    parser.add_argument(
         "--conversations",
         type=int,
         default=3,
@@ -414,6 +421,16 @@ def _scenario(
         run(cold, plain)
         run(f"no connector, KV {kv + args.host_mib} MiB", {"connector": False, "kv_mib": kv + args.host_mib})
         run("KVOffloadConnector", {"connector": True, "kv_mib": kv})
+    elif args.store == "obj":  # restart and shared alike: B is a new process served from the S3 server
+        from testing.s3_server import S3Server
+
+        cold = "cold (no connector)"
+        run(cold, plain)
+        with S3Server(Path(tmp) / "s3") as server:
+            obj = [{"type": "obj", "store_config": server.store_config(), "io_threads": 2}]
+            run("A (fills obj)", {**with_tiers, "tiers": obj})
+            run("B (new process, obj)", {**with_tiers, "tiers": obj})
+            fillers["B (new process, obj)"] = "A (fills obj)"
     elif args.scenario == "restart":
         cold = "cold (no connector)"
         run(cold, plain)

@@ -19,7 +19,8 @@ LRU = {"maxmemory": "1gb", "maxmemory-policy": "allkeys-lru"}
 """The server config of the tier: capacity is ``maxmemory``, the least recently used records go first."""
 
 
-def _bindable(port: int) -> bool:
+def bindable(port: int) -> bool:
+    """Whether ``port`` on localhost is free to bind."""
     with socket.socket() as probe:
         try:
             probe.bind(("127.0.0.1", port))
@@ -34,7 +35,7 @@ def free_cluster_port() -> int:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = int(probe.getsockname()[1])
-        if port + 10000 <= 65535 and _bindable(port + 10000):
+        if port + 10000 <= 65535 and bindable(port + 10000):
             return port
     raise RuntimeError("no free port pair (port, port + 10000) for a cluster node")
 

@@ -493,7 +493,7 @@ _LAYER0 = "kv_cache_config cannot run: layer 'model.layers.0.self_attn.attn': "
         ),
         (
             lambda d: _extra(d).update(secondary_tiers=[{"type": "tape"}]),
-            "kv_connector_extra_config: secondary_tiers[0]: type='tape' is not one of fs, valkey, custom",
+            "kv_connector_extra_config: secondary_tiers[0]: type='tape' is not one of fs, valkey, obj, custom",
         ),
         (
             lambda d: _extra(d).update(secondary_tiers=[{"type": "fs", "root_dir": "/x", "bogus": 1}]),

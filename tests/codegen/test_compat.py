@@ -241,7 +241,7 @@ def test_locations_point_at_the_new_file_and_line(tmp_path: Path) -> None:
 
 
 def test_history_holds_every_released_version() -> None:
-    assert [p.stem for p in HISTORY] == ["1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8"]
+    assert [p.stem for p in HISTORY] == ["1.0", "1.1", "1.2", "1.3", "1.4", "1.5", "1.6", "1.7", "1.8", "1.9"]
 
 
 @pytest.mark.parametrize("path", HISTORY, ids=lambda p: p.stem)

@@ -213,15 +213,19 @@ def tiers(model: str, out: Path, phase: str) -> dict[str, Any]:
 
 
 def shared_store(model: str, out: Path, role: str) -> dict[str, Any]:
-    """A Valkey tier (server or cluster) under the host pool: engine A fills it, engine B serves from it.
+    """A shared tier under the host pool: engine A fills it, engine B serves from it.
 
-    The url comes from ``KVO_TEST_VALKEY_URL`` (``KVO_TEST_VALKEY_CLUSTER=1``: a cluster node's url). ``role`` is
+    The tier is ``KVO_TEST_TIER_JSON`` (a ``secondary_tiers`` entry: the object-store tier's), else a Valkey tier
+    whose url comes from ``KVO_TEST_VALKEY_URL`` (``KVO_TEST_VALKEY_CLUSTER=1``: a cluster node's url). ``role`` is
     ``fill`` (A: waits until every store and cascade has landed) or ``serve`` (B: a new process, empty host pool).
     """
     from vllm import LLM
 
     cluster = os.environ.get("KVO_TEST_VALKEY_CLUSTER") == "1"
-    tier = {"type": "valkey", "url": os.environ["KVO_TEST_VALKEY_URL"], "cluster": cluster}
+    given = os.environ.get("KVO_TEST_TIER_JSON")
+    tier = (
+        json.loads(given) if given else {"type": "valkey", "url": os.environ["KVO_TEST_VALKEY_URL"], "cluster": cluster}
+    )
     # What B gets is checked here, not how fast: a busy 2-core machine can take longer than the default 0.1 s.
     extra = {"spec_name": "TieringOffloadingSpec", "secondary_tiers": [tier], "tier_lookup_timeout_s": 10.0}
     llm = LLM(model=model, distributed_executor_backend="uni", kv_transfer_config=connector_config(extra), **ENGINE_KW)

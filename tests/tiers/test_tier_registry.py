@@ -101,7 +101,7 @@ def test_a_process_that_did_not_register_the_type_imports_its_class(dict_tier: t
 
 
 def test_names_taken_are_refused_with_vllms_text(dict_tier: type) -> None:
-    for name in ("fs", "valkey", "custom"):
+    for name in ("fs", "valkey", "obj", "custom"):
         with pytest.raises(ConfigError, match=rf"^Tier .{name}. is already registered\.$"):
             register_tier_type(name, dict_tier)
     register_tier_type("dict", dict_tier)
@@ -116,10 +116,10 @@ def test_an_unknown_type_lists_the_supported_ones(dict_tier: type) -> None:
     with pytest.raises(ConfigError) as info:
         tiering_config_from_extra({"secondary_tiers": [{"type": "tape"}]})
     assert str(info.value).endswith(
-        "Unknown secondary tier type: 'tape'. Supported types: ['fs', 'valkey', 'custom', 'dict']. "
+        "Unknown secondary tier type: 'tape'. Supported types: ['fs', 'valkey', 'obj', 'custom', 'dict']. "
         "For an out-of-tree tier, also set 'module_path'."
     )
-    assert "type='tape' is not one of fs, valkey, custom, dict" in str(info.value)
+    assert "type='tape' is not one of fs, valkey, obj, custom, dict" in str(info.value)
 
 
 def test_an_unimportable_module_path_is_an_import_error_naming_the_tier_and_module(tmp_path: Path) -> None:

@@ -114,7 +114,7 @@ CASES: list[tuple[str, Callable[[Doc], object], str]] = [
     (
         "tier-type-tape",
         lambda d: _extra(d).update(secondary_tiers=[{"type": "tape"}]),
-        r"^kv_connector_extra_config: secondary_tiers\[0\]: type='tape' is not one of fs, valkey, custom",
+        r"^kv_connector_extra_config: secondary_tiers\[0\]: type='tape' is not one of fs, valkey, obj, custom",
     ),
     (
         "tier-unknown-key",

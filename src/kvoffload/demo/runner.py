@@ -120,7 +120,9 @@ def _drive(
             if bar is not None:
                 bar.update(demo.workload.issued - len(demo.waiting) - len(demo.running))
     finally:
-        final = cluster.close()
+        # a rank's final hook times every tier against its raw baseline: a network store takes seconds for that
+        tiers = options.tiering is not None and bool(options.tiering.secondary_tiers)
+        final = cluster.close(timeout_s=_CLOSE_WITH_TIERS_S if tiers else None)
         if bar is not None:
             bar.close()
     demo.sched.on_worker_reports(final.reports)
@@ -145,6 +147,10 @@ def _drive(
     if demo.result.steps >= max_steps:
         raise DeadlineError(f"the demo did not finish within max_steps={max_steps} steps")
     return result
+
+
+_CLOSE_WITH_TIERS_S = 60.0
+"""How long the workers get to drain and send their final figures when tiers are configured (default: 10 s)."""
 
 
 def _mean_tier_figures(per_rank: list[list[TierFigures]]) -> list[TierFigures]:

@@ -50,6 +50,8 @@ HOOK = f"{__name__}:DemoHook"
 
 _F64 = struct.Struct("<d")
 _PROBES = struct.Struct("<3d")  # memcpy GB/s, store and load checksum cost (NaN: not measured)
+_TIER_PROBE_BYTES = 16 << 20
+"""The most bytes of records a tier's probe moves each way per repeat (an object store moves tens of MB/s here)."""
 _TIER = struct.Struct("<6d")  # per tier: write and read GB/s in the run, of the tier's probe, of the raw baseline
 _REPEATS = 9
 _MAX_REPORTED = 16  # mismatched block ids sent back per step (the count is always exact)
@@ -156,7 +158,8 @@ class DemoHook:
             st = tier.stats()
             write = st.bytes_written / st.write_busy_seconds / 1e9 if st.write_busy_seconds else math.nan
             read = st.bytes_read / st.read_busy_seconds / 1e9 if st.read_busy_seconds else math.nan
-            keys = self._tiers.recent_keys(t)[-max(1, self._probe_bytes // max(1, row_bytes)) :]
+            probe_bytes = min(self._probe_bytes, _TIER_PROBE_BYTES)
+            keys = self._tiers.recent_keys(t)[-max(1, probe_bytes // max(1, row_bytes)) :]
             both = compare_with_raw(tier, keys, row_bytes) if self._probe_bytes else None
             probe = (math.nan,) * 4
             if both is not None:

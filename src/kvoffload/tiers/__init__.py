@@ -1,18 +1,18 @@
-"""Secondary tiers below the host pool (disk, Valkey) with vLLM 0.33's tiering semantics.
+"""Secondary tiers below the host pool (disk, Valkey, object store) with vLLM 0.33's tiering semantics.
 
 ``Tiering`` (scheduler side) cascades stored chunks and promotes tier hits; ``TierWorker`` (one per
-rank) runs the tier jobs on the rank's host rows; ``FsTier`` and ``ValkeyTier`` are the built-in tiers, both
-on :class:`~kvoffload.tiers.TierBase`; the config types are generated from the schema; ``compare_with_raw``
-times a tier against its medium moving the same records without it.
+rank) runs the tier jobs on the rank's host rows; ``FsTier``, ``ValkeyTier`` and ``ObjTier`` (S3) are the
+built-in tiers, all on :class:`~kvoffload.tiers.TierBase`; the config types are generated from the schema;
+``compare_with_raw`` times a tier against its medium moving the same records without it.
 
 Tier types are registered by name (:func:`register_tier_type`), drop policies are classes (:class:`DropPolicy`,
 :func:`register_drop_policy`), and a request's ``kv_load_tiers`` (:class:`TierFilter`) says which tiers its loads may
 come from.
 
-Importing this package loads neither torch, valkey nor pyzmq: the config types, namespaces, backpressure and drop
-policies, the tier protocol, base and registry, the disk tier and the config helpers are light; ``Tiering`` and
-``TierStatsRow``, ``start_embedded_servers``, ``EmbeddedValkey``, ``ValkeyTier`` and the raw baselines (valkey) and
-``TierWorker`` (torch) load on first use.
+Importing this package loads neither torch, valkey, obstore nor pyzmq: the config types, namespaces, backpressure and
+drop policies, the tier protocol, base and registry, the disk tier and the config helpers are light; ``Tiering`` and
+``TierStatsRow``, ``start_embedded_servers``, ``EmbeddedValkey``, ``ValkeyTier`` and the raw baselines (valkey),
+``ObjTier`` (obstore) and ``TierWorker`` (torch) load on first use.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from kvoffload._generated import (
     BackpressureConfig,
     CustomTierConfig,
     FsTierConfig,
+    ObjStoreConfig,
+    ObjTierConfig,
     SecondaryTierConfig,
     TieringConfig,
     TierJob,
@@ -42,6 +44,7 @@ from kvoffload.tiers._registry import register_tier_type
 if TYPE_CHECKING:
     from kvoffload.tiers._cascade import Tiering, TierStatsRow
     from kvoffload.tiers._embedded import EmbeddedValkey, start_embedded_servers
+    from kvoffload.tiers._obj import ObjTier
     from kvoffload.tiers._raw import RawThroughput, TierVsRaw, compare_with_raw, raw_throughput
     from kvoffload.tiers._valkey import ValkeyTier
     from kvoffload.tiers._worker import TierWorker
@@ -52,6 +55,7 @@ _LAZY = {
     "start_embedded_servers": "kvoffload.tiers._embedded",
     "EmbeddedValkey": "kvoffload.tiers._embedded",
     "ValkeyTier": "kvoffload.tiers._valkey",
+    "ObjTier": "kvoffload.tiers._obj",
     "TierWorker": "kvoffload.tiers._worker",
     "RawThroughput": "kvoffload.tiers._raw",
     "raw_throughput": "kvoffload.tiers._raw",
@@ -75,6 +79,9 @@ __all__ = [
     "FsTierConfig",
     "Locality",
     "Namespace",
+    "ObjStoreConfig",
+    "ObjTier",
+    "ObjTierConfig",
     "RawThroughput",
     "SecondaryTier",
     "SecondaryTierConfig",

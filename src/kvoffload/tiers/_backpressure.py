@@ -53,16 +53,20 @@ class BackpressureSettings:
 
 
 _DETECTORS = {"EMABackpressureDetector", "ema"}
+_STORAGE_TYPES = ("fs", "obj")
+"""The tier types whose stores force pressure after 3 consecutive failures by default (vLLM's storage tiers: a
+remote fs tier too)."""
 
 
 def resolve_backpressure(
     tier_type: str, top: BackpressureConfig | None, own: BackpressureConfig | None, *, remote: bool = False
 ) -> BackpressureSettings:
     """Merge per field: tier's own > top-level ``backpressure`` > the tier type's defaults (vLLM's rule: network
-    defaults for every tier but a disk one, and for a disk tier whose ``locality`` is ``REMOTE``: ``remote``)."""
+    defaults for every tier but a disk one, and for a disk tier whose ``locality`` is ``REMOTE``: ``remote``;
+    ``failure_threshold`` 3 for the disk and object-store tiers, remote or not)."""
     network = tier_type != "fs" or remote
     high, low = (0.050, 0.010) if network else (0.010, 0.002)
-    defaults = BackpressureSettings(high, low, failure_threshold=None if network else 3)
+    defaults = BackpressureSettings(high, low, failure_threshold=3 if tier_type in _STORAGE_TYPES else None)
 
     merged: dict[str, object] = {}
     for source in (top, own):  # the tier's own fields win over the top-level ones

@@ -30,7 +30,9 @@ from kvoffload.errors import InvalidStateError, RecordError, TierError
 from kvoffload.faults import active_faults
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.scheduler import Direction
+from kvoffload.tiers._fileio import copy_bytes
 from kvoffload.tiers._interface import SecondaryTier, TierIOResult, TierStats
+from kvoffload.tiers._record import unpack_record
 
 __all__ = ["SecondaryTier", "TierBase", "TierIOResult", "TierStats"]
 
@@ -186,6 +188,20 @@ class TierBase(ABC):
             self._describe(),
             "KVOFFLOAD_RECORD_SECRET",
         )
+
+    def _record_into(
+        self, record: memoryview, key: bytes, row: memoryview, *, namespace: bytes, secret: bytes | None
+    ) -> int | RecordError:
+        """Copy the payload of a whole record held in memory (a Valkey value, an object) into ``row`` once the
+        record is verified as ``key``'s of ``namespace``: the bytes copied, or the :class:`RecordError`."""
+        try:
+            header, payload = unpack_record(record, key=key, payload_len=len(row), namespace=namespace, secret=secret)
+        except RecordError as exc:
+            return exc
+        if secret is None and header.authenticated:
+            self._note_unchecked_mac()
+        copy_bytes(row, payload)
+        return len(row)
 
     # ------------------------------------------------------------------ jobs
 

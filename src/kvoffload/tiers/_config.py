@@ -18,11 +18,13 @@ from kvoffload._generated import (
     BackpressureConfig,
     CustomTierConfig,
     FsTierConfig,
+    ObjStoreConfig,
+    ObjTierConfig,
     SecondaryTierConfig,
     TieringConfig,
     ValkeyTierConfig,
 )
-from kvoffload.errors import ConfigClassError, ConfigError
+from kvoffload.errors import ConfigClassError, ConfigError, ConfigImportError
 from kvoffload.tiers._base import SecondaryTier
 from kvoffload.tiers._namespace import Namespace
 from kvoffload.tiers._registry import BUILTIN_TIER_TYPES, import_tier_class, registered_tier_class, tier_type_names
@@ -82,7 +84,18 @@ def tiering_config_from_extra(extra: Mapping[str, object]) -> TieringConfig:
                 f"secondary_tiers[{i}] (valkey): url={tier.url!r} is not a valkey url "
                 f"({', '.join(s + '...' for s in VALKEY_SCHEMES)})"
             )
-        if isinstance(tier, FsTierConfig | ValkeyTierConfig) and tier.locality not in (None, "LOCAL", "REMOTE"):
+        if isinstance(tier, ObjTierConfig):
+            from kvoffload.tiers._obj import endpoint_url
+
+            try:
+                endpoint_url(tier.store_config)
+            except ConfigError as exc:
+                raise ConfigError(f"secondary_tiers[{i}] ({kind}): {exc}") from None
+        if isinstance(tier, FsTierConfig | ValkeyTierConfig | ObjTierConfig) and tier.locality not in (
+            None,
+            "LOCAL",
+            "REMOTE",
+        ):
             # vLLM builds Locality(value): case-sensitive (kv_load_tiers' filters are not)
             raise ConfigError(
                 f"secondary_tiers[{i}] ({kind}): locality={tier.locality!r}: {tier.locality!r} is not a valid "
@@ -151,6 +164,21 @@ def open_tier(
             username=config.username,
             ssl_options=ssl,
         )
+    if isinstance(config, ObjTierConfig):
+        try:
+            from kvoffload.tiers._obj import ObjTier
+        except ImportError as exc:
+            raise ConfigImportError(
+                f"obj tier: its client is not installed ({exc}): pip install 'kvoffload[obj]' (obstore)"
+            ) from exc
+
+        return ObjTier(
+            config.store_config,
+            namespace,
+            prefix=config.prefix,
+            io_threads=config.io_threads,
+            request_timeout_s=config.request_timeout_s,
+        )
     if isinstance(config, CustomTierConfig):
         name = config.tier_type or config.class_name
         where = f"secondary_tiers[{index}] ({name})" if index is not None else f"custom tier {name!r}"
@@ -167,11 +195,37 @@ def open_tier(
 
 def tier_from_cli(text: str) -> SecondaryTierConfig:
     """``disk:PATH`` -> an fs tier in PATH; ``valkey`` -> an embedded server; ``valkey://...`` (any
-    valkey/redis url) -> that server. ConfigError names the text otherwise."""
+    valkey/redis url) -> that server; ``obj:http(s)://HOST:PORT/BUCKET[/PREFIX]`` -> an object-store tier (keys
+    from ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``). ConfigError names the text otherwise."""
     if text.startswith("disk:") and len(text) > 5:
         return FsTierConfig(root_dir=text[5:])
+    if text.startswith("obj:"):
+        return _obj_from_url(text)
     if text == "valkey":
         return ValkeyTierConfig()
     if text.startswith(VALKEY_SCHEMES):
         return ValkeyTierConfig(url=text)
-    raise ConfigError(f"--tier={text!r}: use disk:PATH, valkey (embedded server) or a valkey://host:port url")
+    raise ConfigError(
+        f"--tier={text!r}: use disk:PATH, valkey (embedded server), a valkey://host:port url or "
+        "obj:http://host:port/bucket"
+    )
+
+
+def _obj_from_url(text: str) -> ObjTierConfig:
+    import os
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(text[4:])
+    bucket, _, prefix = parts.path.strip("/").partition("/")
+    if parts.scheme not in ("http", "https") or not parts.netloc or not bucket:
+        raise ConfigError(f"--tier={text!r}: use obj:http(s)://host:port/bucket[/prefix]")
+    store = ObjStoreConfig(
+        bucket=bucket,
+        endpoint_override=f"{parts.scheme}://{parts.netloc}",
+        access_key=os.environ.get("AWS_ACCESS_KEY_ID", ""),
+        secret_key=os.environ.get("AWS_SECRET_ACCESS_KEY", ""),
+        session_token=os.environ.get("AWS_SESSION_TOKEN", ""),
+        region=os.environ.get("AWS_REGION", ""),
+        scheme=parts.scheme,
+    )
+    return ObjTierConfig(store_config=store, prefix=prefix)

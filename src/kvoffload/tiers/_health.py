@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from kvoffload._generated import FsTierConfig, SecondaryTierConfig, TieringConfig, ValkeyTierConfig
+from kvoffload._generated import FsTierConfig, ObjTierConfig, SecondaryTierConfig, TieringConfig, ValkeyTierConfig
 from kvoffload.errors import TierUnusableError
 from kvoffload.offload.scheduler import TierStatsRow
 from kvoffload.tiers._base import SecondaryTier, TierBase
@@ -21,12 +21,14 @@ __all__ = ["TierHealth", "TierStatsRow", "shared_without_secret", "tier_is_healt
 
 
 def tier_type(config: SecondaryTierConfig) -> str:
-    """The kind of a tier config: ``fs``, ``valkey``, the name a custom tier was registered under, or its class
+    """The kind of a tier config: ``fs``, ``valkey``, ``obj``, the name a custom tier was registered under, or its class
     name (vLLM names an out-of-tree tier after its ``type``, the class name)."""
     if isinstance(config, FsTierConfig):
         return "fs"
     if isinstance(config, ValkeyTierConfig):
         return "valkey"
+    if isinstance(config, ObjTierConfig):
+        return "obj"
     return config.tier_type or config.class_name
 
 
@@ -41,7 +43,11 @@ def unusable_reason(tier: SecondaryTier) -> str | None:
 def shared_without_secret(config: SecondaryTierConfig) -> bool:
     """Whether ``config`` is a tier others can write (a Valkey server that is not this engine's private
     embedded one) while this process has no record secret: its records are then not authenticated."""
-    if not isinstance(config, ValkeyTierConfig) or record_secret() is not None:
+    if record_secret() is not None:
+        return False
+    if isinstance(config, ObjTierConfig):
+        return True
+    if not isinstance(config, ValkeyTierConfig):
         return False
     from kvoffload.tiers._embedded import is_embedded_url
 

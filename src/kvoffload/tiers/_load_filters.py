@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvoffload._generated import FsTierConfig, Medium, SecondaryTierConfig, ValkeyTierConfig
+from kvoffload._generated import FsTierConfig, Medium, ObjTierConfig, SecondaryTierConfig, ValkeyTierConfig
 from kvoffload.errors import ConfigError
 from kvoffload.offload.scheduler import Locality, TierFilter
 
@@ -20,7 +20,7 @@ __all__ = ["LoadFilters", "configured_locality", "tier_place"]
 
 def configured_locality(config: SecondaryTierConfig) -> Locality | None:
     """The ``locality`` a built-in tier's config sets (None: unset, or an out-of-tree tier)."""
-    if isinstance(config, FsTierConfig | ValkeyTierConfig) and config.locality is not None:
+    if isinstance(config, FsTierConfig | ValkeyTierConfig | ObjTierConfig) and config.locality is not None:
         if config.locality.upper() not in Locality.__members__:
             raise ConfigError(f"tier locality={config.locality!r} is not LOCAL or REMOTE")
         return Locality(config.locality.upper())
@@ -31,7 +31,7 @@ def tier_place(config: SecondaryTierConfig, tier: object) -> tuple[Medium | None
     """The medium and locality of the tier ``config`` describes (``tier``: an instance of it)."""
     if isinstance(config, FsTierConfig):
         return Medium.STORAGE, configured_locality(config) or Locality.LOCAL
-    if isinstance(config, ValkeyTierConfig):
+    if isinstance(config, ValkeyTierConfig | ObjTierConfig):
         return Medium.STORAGE, configured_locality(config) or Locality.REMOTE
     medium, locality = getattr(tier, "medium", None), getattr(tier, "locality", None)
     return (

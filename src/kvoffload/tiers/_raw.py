@@ -18,11 +18,12 @@ import itertools
 import logging
 import mmap
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import valkey.exceptions
 
@@ -31,6 +32,9 @@ from kvoffload.offload.keys import OffloadKey
 from kvoffload.tiers._base import SecondaryTier, TierBase
 from kvoffload.tiers._fs import FsTier
 from kvoffload.tiers._valkey import ValkeyTier
+
+if TYPE_CHECKING:
+    from kvoffload.tiers._obj import ObjTier
 
 __all__ = ["RawThroughput", "TierVsRaw", "compare_with_raw", "raw_throughput"]
 
@@ -76,8 +80,11 @@ def compare_with_raw(tier: SecondaryTier, keys: Sequence[OffloadKey], row_bytes:
     tier that is not built in or holds none of the records, and None with a WARNING naming the reason when the
     probe cannot run (a job of the tier fails, an IO error of the raw baseline). Call it with no job of the tier
     in flight (it polls the tier: results of other jobs would be lost)."""
-    if not isinstance(tier, FsTier | ValkeyTier) or row_bytes <= 0:
+    if not isinstance(tier, FsTier | ValkeyTier) and _as_obj(tier) is None:
         return None
+    if row_bytes <= 0:
+        return None
+    tier = cast(TierBase, tier)
     keys = [k for k, found in zip(keys, tier.lookup(keys), strict=True) if found]
     if not keys:
         return None
@@ -160,6 +167,18 @@ def raw_throughput(tier: SecondaryTier, keys: Sequence[OffloadKey], *, repeats: 
         return _fs_raw(tier, keys, repeats)
     if isinstance(tier, ValkeyTier):
         return _valkey_raw(tier, keys, repeats)
+    obj = _as_obj(tier)
+    if obj is not None:
+        return _obj_raw(obj, keys, repeats)
+    return None
+
+
+def _as_obj(tier: object) -> ObjTier | None:
+    """``tier`` if it is an ``ObjTier`` (None otherwise). A tier can only be one once its module is loaded: this
+    module does not load the object-store client for the engines that have no object-store tier."""
+    module = sys.modules.get("kvoffload.tiers._obj")
+    if module is not None and isinstance(tier, module.ObjTier):
+        return cast("ObjTier", tier)
     return None
 
 
@@ -296,4 +315,40 @@ def _valkey_raw(tier: ValkeyTier, keys: Sequence[OffloadKey], repeats: int) -> R
     finally:
         remove()
     records = sum(v is not None for batch in values for v in batch)
+    return RawThroughput(write_bytes / write_s / 1e9, read_bytes / read_s / 1e9, records, read_bytes)
+
+
+def _obj_raw(tier: ObjTier, keys: Sequence[OffloadKey], repeats: int) -> RawThroughput | None:
+    """GETs of the tier's objects and PUTs of the same bytes under scratch names, with the tier's own client."""
+    names = [tier.object_name(k) for k in keys]
+    values: list[bytes | None] = [None] * len(names)
+    tag = f"{tier.prefix}raw-{os.getpid()}-{next(_scratch)}/"
+
+    def get(i: int) -> int:
+        try:
+            values[i] = tier.raw_get(names[i])
+        except FileNotFoundError:
+            return 0
+        return len(values[i] or b"")
+
+    def put(i: int) -> int:
+        value = values[i]
+        if value is None:
+            return 0
+        tier.raw_put(tag + str(i), value)
+        return len(value)
+
+    def remove() -> None:
+        for i in range(len(names)):
+            with contextlib.suppress(Exception):
+                tier.raw_delete(tag + str(i))
+
+    read_s, read_bytes = _timed(tier.read_threads, get, len(names), repeats)
+    if read_bytes == 0:
+        return None
+    try:
+        write_s, write_bytes = _timed(tier.write_threads, put, len(names), repeats, remove)
+    finally:
+        remove()
+    records = sum(v is not None for v in values)
     return RawThroughput(write_bytes / write_s / 1e9, read_bytes / read_s / 1e9, records, read_bytes)

@@ -64,6 +64,7 @@ __all__ = [
     "payload_checksum",
     "record_mac_blake3",
     "record_secret",
+    "unpack_record",
     "verify_payload",
 ]
 
@@ -219,3 +220,15 @@ def verify_payload(header: RecordHeader, payload: Buffer, *, secret: bytes | Non
             raise RecordError(f"record of key {header.key.hex()} is not authenticated (it carries no MAC)")
         if not hmac.compare_digest(header.mac, _mac(header.version, secret, header.prefix, header.key, payload)):
             raise RecordError(f"record of key {header.key.hex()} has an invalid MAC (not written with this secret)")
+
+
+def unpack_record(
+    record: memoryview, *, key: bytes, payload_len: int, namespace: bytes, secret: bytes | None
+) -> tuple[RecordHeader, memoryview]:
+    """The header and payload of a whole record held in memory (a Valkey value, an object), both verified: a
+    :class:`RecordError` for a record that is not ``key``'s of ``namespace`` with a sound payload."""
+    head_len = HEADER_SIZE + len(key)
+    header = parse_header(record[:head_len], expected_key=key, expected_len=payload_len, expected_namespace=namespace)
+    payload = record[head_len : head_len + payload_len]
+    verify_payload(header, payload, secret=secret)
+    return header, payload

@@ -1,5 +1,5 @@
-"""Tier types by name: the built-ins (``fs``, ``valkey``), classes registered with :func:`register_tier_type`, and
-out-of-tree classes imported from a ``module_path`` (vLLM's ``SecondaryTierFactory``).
+"""Tier types by name: the built-ins (``fs``, ``valkey``, ``obj``), classes registered with
+:func:`register_tier_type`, and out-of-tree classes imported from a ``module_path`` (vLLM's ``SecondaryTierFactory``).
 
 ``register_tier_type("mytier", MyTier)`` makes ``{"type": "mytier", ...}`` open ``MyTier`` with the entry's
 other keys as keyword arguments (and ``namespace=``), no ``module_path`` needed. The entry is kept as a
@@ -24,7 +24,7 @@ __all__ = [
     "tier_type_names",
 ]
 
-BUILTIN_TIER_TYPES = ("fs", "valkey", "custom")
+BUILTIN_TIER_TYPES = ("fs", "valkey", "obj", "custom")
 """The ``type`` tags of the schema's tier configs (``custom``: an out-of-tree class by ``module_path``)."""
 
 _REGISTERED: dict[str, type] = {}

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from kvoffload._generated import CustomTierConfig, FsTierConfig, SecondaryTierConfig, ValkeyTierConfig
+from kvoffload._generated import CustomTierConfig, FsTierConfig, ObjTierConfig, SecondaryTierConfig, ValkeyTierConfig
 from kvoffload.tiers._base import SecondaryTier
 from kvoffload.tiers._fs import FsTier
 
@@ -77,6 +77,10 @@ def describe_tier(
         where = redact_url(config.url) if config.url else "embedded"
         capacity = "unknown" if unusable else _valkey_capacity(instances[0] if instances else None)
         text = f"valkey url={where}{' cluster' if config.cluster else ''} capacity {capacity}"
+    elif isinstance(config, ObjTierConfig):
+        store = config.store_config
+        prefix = f" prefix={config.prefix}" if config.prefix else ""
+        text = f"obj {store.endpoint_override}/{store.bucket}{prefix}"
     elif isinstance(config, CustomTierConfig):
         text = f"{config.tier_type or 'custom'} {config.module_path}.{config.class_name}"
     else:

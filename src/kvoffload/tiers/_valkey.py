@@ -37,15 +37,11 @@ from kvoffload.errors import ConfigError, RecordError, TierError
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.scheduler import Direction
 from kvoffload.tiers._base import TierBase
-from kvoffload.tiers._fileio import copy_bytes
 from kvoffload.tiers._namespace import Namespace
 from kvoffload.tiers._record import (
-    HEADER_SIZE,
     encode_header,
-    parse_header,
     record_mac_blake3,
     record_secret,
-    verify_payload,
 )
 from kvoffload.tiers._summary import redact_url
 
@@ -327,21 +323,7 @@ class ValkeyTier(TierBase):
                 continue
             if not isinstance(value, bytes):
                 raise TierError(f"valkey tier load failed: {value}")
-            view = memoryview(value)
-            head_len = HEADER_SIZE + len(key)
-            try:
-                header = parse_header(
-                    view[:head_len], expected_key=key, expected_len=len(row), expected_namespace=self._ns_tag
-                )
-                payload = view[head_len : head_len + len(row)]
-                verify_payload(header, payload, secret=self._secret)
-            except RecordError as exc:
-                out.append(exc)
-                continue
-            if self._secret is None and header.authenticated:
-                self._note_unchecked_mac()
-            copy_bytes(row, payload)
-            out.append(len(row))
+            out.append(self._record_into(memoryview(value), key, row, namespace=self._ns_tag, secret=self._secret))
         return out
 
     def _exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool | TierError]:
