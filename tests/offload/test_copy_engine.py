@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import ctypes
 import dataclasses
 import itertools
 import threading
@@ -596,6 +597,28 @@ def test_round_trip_big_job_uses_helper_threads() -> None:
         assert [r.num_bytes for r in mover.poll()] == [8 * page, 8 * page]
     assert torch.equal(kv_view[4:], original.view(8, -1)[2:6])
     assert int(kv_view[:4].count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("copy_path", ["native"], indirect=True)
+def test_native_engine_calls_made_every_step_keep_the_gil(
+    mixed: tuple[Engine, TransferLayout, HostPool, torch.Tensor],
+) -> None:
+    """The engine polls (and holds) at every step: those calls keep the GIL. Dropping it for microseconds at that
+    rate starved the process's other threads (a tier's lookup thread in a vLLM engine waited seconds); the calls
+    that can block (wait) or run a job inline (submit, in a forked child) still drop it."""
+    _, layout, pool, kv = mixed
+    with CopyEngine(kv, layout, pool) as mover:
+        backend = mover._backend
+        assert isinstance(backend, cpu_native.NativeCpuBackend), "the native copy kernel is not built"
+        engine = backend._engine
+        keeps = {
+            name: bool(getattr(engine, name)._flags_ & ctypes._FUNCFLAG_PYTHONAPI)
+            for name in ("_poll", "_hold", "_wait", "_submit")
+        }
+        assert keeps == {"_poll": True, "_hold": True, "_wait": False, "_submit": False}
+        mover.submit_store(0, group_sizes=[2, 0], block_indices=[0, 0], block_ids=[1, 2], chunk_ids=[4])
+        mover.wait([0])
+        assert [(r.job_id, r.success) for r in mover.poll()] == [(0, True)]
 
 
 def test_ids_accept_tensors_lists_and_arrays(

@@ -95,8 +95,9 @@ class _Engine:
         self._submit = _bind(lib.kvcopy_engine_submit, _I64, submit_args)
         self._fail = _bind(lib.kvcopy_engine_fail, _I64, [_VOIDP, _I64, _I64])
         self._wait = _bind(lib.kvcopy_engine_wait, _I64, [_VOIDP, _I64, _I64, _I64])
-        self._poll = _bind(lib.kvcopy_engine_poll, _I64, [_VOIDP, _VOIDP, _I64, _VOIDP, _I64])
-        self._hold = _bind(lib.kvcopy_engine_hold, None, [_VOIDP, _I64])
+        # Called every engine step and done in microseconds: they keep the GIL (see _bind_with_gil).
+        self._poll = _bind_with_gil(lib.kvcopy_engine_poll, _I64, [_VOIDP, _VOIDP, _I64, _VOIDP, _I64])
+        self._hold = _bind_with_gil(lib.kvcopy_engine_hold, None, [_VOIDP, _I64])
         self._close = _bind(lib.kvcopy_engine_close, None, [_VOIDP])
         new = _bind(lib.kvcopy_engine_new, _VOIDP, [_VOIDP, _VOIDP, _I64, _VOIDP, _VOIDP, _VOIDP, _VOIDP])
         free = _bind(lib.kvcopy_engine_free, None, [_VOIDP])
@@ -158,6 +159,25 @@ def _bind(
     function.restype = restype
     function.argtypes = list(argtypes)
     return function
+
+
+def _bind_with_gil(
+    function: ctypes._NamedFuncPointer,
+    restype: type | None,
+    argtypes: Sequence[type[ctypes.c_void_p] | type[ctypes.c_int64]],
+) -> ctypes._CFunctionType:
+    """``function`` called without releasing the GIL, for short calls made at every engine step.
+
+    A thread that drops the GIL for microseconds many times a second starves every other Python thread of the
+    process: each drop wakes a waiter, which loses the race to take it back and restarts its 5 ms switch
+    interval, so it never asks for the GIL. In an engine loop that polls while a request waits for a tier lookup,
+    the lookup thread then waited seconds (measured in a real vLLM engine: a 5-key object-store lookup 1-10 s).
+    """
+    prototype = ctypes.PYFUNCTYPE(restype, *argtypes)
+    address = ctypes.cast(function, ctypes.c_void_p).value
+    if address is None:
+        raise OSError(f"native function {function.__name__} has no address")
+    return prototype(address)
 
 
 def _native_submit(engine: _Engine, is_store: bool, job_id: int, writes: bool, ids: tuple[int, ...]) -> int:
