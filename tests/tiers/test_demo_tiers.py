@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvoffload._cli import main
+from kvoffload.demo.report import format_bytes
 
 
 def _value(out: str, label: str) -> str:
@@ -23,6 +24,10 @@ def test_disk_demo_twice_second_run_hits_disk(tmp_path: Path, capsys: pytest.Cap
     first = capsys.readouterr().out
     assert _value(first, "tier 0 (fs): prompt tokens promoted") == "0"
     assert int(_value(first, "tier 0 (fs): chunks cascaded / dropped / failed").split(" / ")[0]) > 0
+    records, held = _value(first, "tier 0 (fs): holds (records, bytes)").split(" / ")
+    files = list((tmp_path / "kv").rglob("*.bin"))
+    assert int(records) == len(files) > 0, "every record the workers' disk tier holds, as the disk has them"
+    assert held == format_bytes(sum(f.stat().st_size for f in files))
     assert main(args) == 0
     second = capsys.readouterr().out
     # three fresh conversations: without the disk nothing could hit; with it, the system prompt and turns do

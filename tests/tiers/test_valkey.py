@@ -310,7 +310,7 @@ def test_a_reader_without_the_secret_says_once_that_it_cannot_check_the_records_
     with _tier(valkey_server) as writer:
         assert _store(writer, keys, rows) == ()
     monkeypatch.delenv(SECRET_ENV)
-    caplog.set_level(logging.WARNING, logger="kvoffload.tiers._base")
+    caplog.set_level(logging.WARNING, logger="kvoffload.tiers._record_reader")
 
     def warned() -> list[str]:
         return [r.getMessage() for r in caplog.records if "authenticated records" in r.getMessage()]

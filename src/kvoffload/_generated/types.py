@@ -14,7 +14,7 @@ from kvoffload._packed import Int32Bytes, Int64Bytes
 
 SCHEMA_NAME: Final = "kvoffload"
 SCHEMA_VERSION: Final = "1.9"
-SCHEMA_FINGERPRINT: Final = "9840339cbfe69b06"
+SCHEMA_FINGERPRINT: Final = "8c1707b073b8d378"
 
 
 class DType(enum.StrEnum):
@@ -1370,7 +1370,8 @@ class ValkeyTierConfig(
     tag_field="type",
     tag="valkey",
 ):
-    """Valkey/Redis tier: one key per chunk; the server's allkeys-lru eviction is the capacity policy.
+    """Valkey/Redis tier: one key per chunk; `max_bytes` bounds what each worker's instance keeps, and
+    the server's own `maxmemory` eviction still applies.
 
     Since schema 1.3.
     """
@@ -1421,6 +1422,12 @@ class ValkeyTierConfig(
     locality: str | None = None
     """`LOCAL` or `REMOTE` (None: the default, REMOTE), exactly as vLLM spells them: what a request's
     `kv_load_tiers` matches. (since 1.5)
+    """
+
+    max_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Bytes of records each worker's instance keeps in its namespace (those it wrote, read, or found
+    at start); past it the least recently written or read are deleted. None: unlimited (the server's
+    maxmemory alone). (since 1.9)
     """
 
 
@@ -1501,6 +1508,11 @@ class ObjTierConfig(
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0.0)] = 5.0
     """The longest one request to the store may take (connect included); a store that does not answer
     within it is a fault, not a hang.
+    """
+
+    max_bytes: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    """Bytes of records each worker's instance keeps under its prefix (those it wrote, read, or found
+    at start); past it the least recently written or read are deleted. None: unlimited.
     """
 
 
@@ -1641,6 +1653,14 @@ class TierJobResult(
     """Indices of the keys whose record was bad (damaged, of another namespace, unauthenticated):
     counted, deleted, a subset of failed. (since 1.4)
     """
+
+    resident_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Bytes of records the worker's instance of the tier holds after the job (a gauge; 0 from a tier
+    that does not count them). (since 1.9)
+    """
+
+    resident_records: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Records the worker's instance of the tier holds after the job (a gauge). (since 1.9)"""
 
 
 KVCacheSpec: TypeAlias = (

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvoffload.demo.worker_hook import TierFigures
 from kvoffload.offload.scheduler import TierStatsRow
 
-__all__ = ["DemoResult", "render_misses", "render_result"]
+__all__ = ["DemoResult", "format_bytes", "render_misses", "render_result"]
 
 
 @dataclass
@@ -143,7 +143,16 @@ def _tier_rows(result: DemoResult) -> list[tuple[str, str]]:
         else:
             rows.append((f"{name}: write / read GB/s", f"{t.write_gbps:.2f} / {t.read_gbps:.2f}"))
         rows.append((f"{name}: bad records (missed, deleted)", f"{t.corrupt_records}"))
+        rows.append((f"{name}: holds (records, bytes)", f"{t.resident_records} / {format_bytes(t.resident_bytes)}"))
     return rows
+
+
+def format_bytes(value: int) -> str:
+    """``268435456`` -> ``"256 MiB"``, ``1.5 * 2**30`` -> ``"1.5 GiB"`` (three significant digits)."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value} B"
 
 
 def _gbps(value: float) -> str:

@@ -18,6 +18,7 @@ import msgspec
 
 from kvoffload._generated import EngineSnapshot, KVCacheTensor, OffloadingConfig
 from kvoffload._ints import cdiv
+from kvoffload.demo.report import format_bytes
 from kvoffload.demo.runner import MEMORY_SHARE, demo_memory_bytes
 from kvoffload.demo.snapshots import snapshot_with_overrides
 from kvoffload.demo.workload import DEFAULT_OPTIONS, DemoOptions, check_options, longest_conversation_tokens
@@ -41,14 +42,6 @@ class Shrunk:
     def describe(self) -> str:
         """One line for the console: ``"num_blocks 8192 -> 128, cpu pool 256 GiB -> 72 MiB, ..."``."""
         return ", ".join(self.changes) if self.changes else "nothing changed: it fits as it is"
-
-
-def format_bytes(value: int) -> str:
-    """``268435456`` -> ``"256 MiB"``, ``1.5 * 2**30`` -> ``"1.5 GiB"`` (three significant digits)."""
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if value >= size:
-            return f"{value / size:.3g} {unit}"
-    return f"{value} B"
 
 
 def shrink_snapshot(

@@ -55,7 +55,8 @@ class SchedulerMetrics:
     ``registry`` is the embedding application's registry (None: no Prometheus series, snapshots only);
     ``tier`` labels the host pool's series. Tiers report their drops through :meth:`record_backpressure_drops`.
     With secondary tiers (:class:`~kvoffload.tiers.Tiering`) each tier's figures are series too, labelled by its
-    kind and index (``fs0``): outages, availability and the counters of :data:`~kvoffload.metrics.TIER_METRICS`.
+    kind and index (``fs0``): outages, availability, residency (``tier_resident_bytes``, ``tier_resident_records``)
+    and the counters of :data:`~kvoffload.metrics.TIER_METRICS`.
     ``min_interval_s`` rate-limits :meth:`observe` (reading the stats costs ~20 us): calls closer together are
     skipped, losing nothing since the figures are cumulative; pass ``force=True`` for the final reading.
     """
@@ -123,6 +124,15 @@ class SchedulerMetrics:
         self._available_family = r.gauge_family(
             "tier_available", "1 while a secondary tier answers the scheduler's lookups, 0 while it is down.", ("tier",)
         )
+        self._resident_families = {
+            "resident_bytes": r.gauge_family(
+                "tier_resident_bytes", "Bytes of records a secondary tier holds (its workers' instances).", ("tier",)
+            ),
+            "resident_records": r.gauge_family(
+                "tier_resident_records", "Records a secondary tier holds (its workers' instances).", ("tier",)
+            ),
+        }
+        self._resident: dict[tuple[str, str], _BoundGauge] = {}
         self._outages: dict[str, _BoundCounter] = {}
         self._available: dict[str, _BoundGauge] = {}
         self._seen_outages: dict[str, int] = {}
@@ -254,6 +264,11 @@ class SchedulerMetrics:
                 self._outages[label].inc(delta)
                 self._seen_outages[label] = row.outages
             self._available[label].set(1.0 if row.available else 0.0)
+            for field, gauge_family in self._resident_families.items():
+                if (field, label) not in self._resident:
+                    name = f"tier_{field}"
+                    self._resident[(field, label)] = self._rec.gauge(gauge_family, name, tier=label)
+                self._resident[(field, label)].set(float(getattr(row, field)))
             for field, family in self._tier_families.items():
                 key = (field, label)
                 if key not in self._tier_series:

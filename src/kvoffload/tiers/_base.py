@@ -10,18 +10,19 @@ Faults never reach the engine as exceptions: a failing medium (disk full, server
 *unavailable* for a back-off interval (doubling up to ``max_backoff_s``); meanwhile lookups miss and stores
 are dropped (counted), then the next operation probes the medium again. A medium made of parts (the nodes of a
 Valkey cluster) that loses one part fails only the keys that part holds (counted as unreachable), and the tier
-stays available. A bad record is a miss, counted and deleted. :class:`TierBase` implements this bookkeeping once;
-a concrete tier writes ``_store_batch``, ``_load_batch``, ``_exists_batch`` and ``_delete``.
+stays available. A bad record is a miss, counted and deleted. Every tier holds at most ``max_bytes`` of records
+(:class:`~kvoffload.tiers._residency.Residency`: past it the least recently written or read go first) and reports
+what it holds (``resident_bytes``, ``resident_records``). :class:`TierBase` implements this bookkeeping once; a
+concrete tier writes ``_store_batch``, ``_load_batch``, ``_exists_batch`` and ``_delete``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -30,13 +31,15 @@ from kvoffload.errors import InvalidStateError, RecordError, TierError
 from kvoffload.faults import active_faults
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.scheduler import Direction
-from kvoffload.tiers._fileio import copy_bytes
 from kvoffload.tiers._interface import SecondaryTier, TierIOResult, TierStats
-from kvoffload.tiers._record import unpack_record
+from kvoffload.tiers._record import HEADER_SIZE
+from kvoffload.tiers._residency import Residency, index_in_background
 
 __all__ = ["SecondaryTier", "TierBase", "TierIOResult", "TierStats"]
 
-logger = logging.getLogger(__name__)
+
+_Out = int | RecordError | TierError | None
+"""A batch item's outcome (see :class:`TierBase`)."""
 
 
 @dataclass(slots=True)
@@ -73,7 +76,10 @@ class TierBase(ABC):
         n_write_threads: int,
         retry_backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
+        max_bytes: int | None = None,
     ) -> None:
+        self.residency = Residency(max_bytes, where=f"{self.name} tier: ")
+        """The records this instance holds, least recent first, and its byte bound (see the module docstring)."""
         self._readers = ThreadPoolExecutor(max(1, n_read_threads), thread_name_prefix=f"kvo-{self.name}-read")
         self._writers = ThreadPoolExecutor(max(1, n_write_threads), thread_name_prefix=f"kvo-{self.name}-write")
         self._n_read = max(1, n_read_threads)
@@ -90,7 +96,8 @@ class TierBase(ABC):
         self._in_outage = False  # between a fault and the next success
         self._closed = False
         self._busy: dict[Direction, tuple[int, float]] = {}  # jobs in flight per direction, since when
-        self._warned_unchecked_mac = False
+        self._indexed = threading.Event()
+        self._indexed.set()  # until _index_in_background starts a listing
 
     # ------------------------------------------------------------------ to implement
 
@@ -112,6 +119,41 @@ class TierBase(ABC):
     @abstractmethod
     def _delete(self, key: bytes) -> None:
         """Remove the record of ``key`` (a bad one); a missing record is no error."""
+
+    def _record_bytes(self, key: bytes, payload_bytes: int) -> int:
+        """Bytes a record of ``key`` with ``payload_bytes`` of payload takes on the medium (default: header and
+        payload; a medium that pads records says so)."""
+        return HEADER_SIZE + len(key) + payload_bytes
+
+    @property
+    def max_bytes(self) -> int | None:
+        """The most bytes of records this instance keeps (None: unbounded)."""
+        return self.residency.max_bytes
+
+    def _enforce_bound(self) -> None:
+        """Delete the least recent records past ``max_bytes`` (a record larger than the bound is not kept either)."""
+        victims = self.residency.over_limit()
+        if not victims:
+            return
+        with self._lock:
+            self._stats.evictions += len(victims)
+        for key in victims:
+            try:
+                self._delete(key)
+            except Exception as exc:  # a medium fault, as in lookups: never an exception to the caller
+                self._mark_down(exc)
+                return
+
+    def _index_in_background(self, listing: Callable[[], Iterable[tuple[bytes, int]]]) -> None:
+        """Index the records already on the medium (``listing``, oldest first) off the start path, then apply the
+        bound (see :func:`~kvoffload.tiers._residency.index_in_background`)."""
+        self._indexed = index_in_background(
+            self.residency, listing, then=self._enforce_bound, what=self._describe(), name=f"kvo-{self.name}-index"
+        )
+
+    def wait_indexed(self, timeout: float | None = None) -> bool:
+        """Wait until the records found at start are indexed (True), or ``timeout`` passed (False)."""
+        return self._indexed.wait(timeout)
 
     def _batches(self, n: int, direction: Direction) -> list[range]:
         """How a job of ``n`` items is split across the pool (default: evenly over the pool's threads)."""
@@ -175,34 +217,6 @@ class TierBase(ABC):
         """How log lines name this tier instance."""
         return f"{self.name} tier"
 
-    def _note_unchecked_mac(self) -> None:
-        """A record carrying a MAC was read without a secret: one WARNING per tier instance, as its writers
-        authenticate records that this reader cannot check."""
-        with self._lock:
-            if self._warned_unchecked_mac:
-                return
-            self._warned_unchecked_mac = True
-        logger.warning(
-            "kvoffload: %s holds authenticated records (they carry a MAC) but this process has no %s: their MACs "
-            "are not checked; set the writers' secret in its environment",
-            self._describe(),
-            "KVOFFLOAD_RECORD_SECRET",
-        )
-
-    def _record_into(
-        self, record: memoryview, key: bytes, row: memoryview, *, namespace: bytes, secret: bytes | None
-    ) -> int | RecordError:
-        """Copy the payload of a whole record held in memory (a Valkey value, an object) into ``row`` once the
-        record is verified as ``key``'s of ``namespace``: the bytes copied, or the :class:`RecordError`."""
-        try:
-            header, payload = unpack_record(record, key=key, payload_len=len(row), namespace=namespace, secret=secret)
-        except RecordError as exc:
-            return exc
-        if secret is None and header.authenticated:
-            self._note_unchecked_mac()
-        copy_bytes(row, payload)
-        return len(row)
-
     # ------------------------------------------------------------------ jobs
 
     def submit_store(self, job_id: int, keys: Sequence[OffloadKey], rows: Sequence[memoryview]) -> None:
@@ -244,8 +258,9 @@ class TierBase(ABC):
             pool.submit(self._run_batch, job, [keys[i] for i in part], [rows[i] for i in part], part.start)
 
     def _run_batch(self, job: _Job, keys: list[OffloadKey], rows: list[memoryview], offset: int) -> None:
-        outcomes: list[int | RecordError | TierError | None]
+        outcomes: list[_Out]
         faults = active_faults() if job.direction is Direction.LOAD else None
+        answered = False  # the medium answered the batch (its Nones are misses, not a fault's)
         try:
             if faults is not None:
                 for i in faults.before_tier_load(len(keys)):
@@ -253,6 +268,7 @@ class TierBase(ABC):
             outcomes = list(
                 self._store_batch(keys, rows) if job.direction is Direction.STORE else self._load_batch(keys, rows)
             )
+            answered = True
             self._mark_up()
             if faults is not None:
                 for i in faults.damaged_records(rows, [isinstance(o, int) for o in outcomes]):
@@ -267,10 +283,13 @@ class TierBase(ABC):
         corrupt = [k for k, o in zip(keys, outcomes, strict=True) if isinstance(o, RecordError) and o.damaged]
         corrupt_at = [offset + i for i, o in enumerate(outcomes) if isinstance(o, RecordError) and o.damaged]
         for key in corrupt:
+            self.residency.remove(key)
             try:
                 self._delete(key)
             except Exception as exc:
                 self._mark_down(exc)
+        if answered:
+            self._note_residency(job, keys, rows, outcomes)
         with self._lock:
             st = self._stats
             for i, outcome in enumerate(outcomes):
@@ -326,6 +345,15 @@ class TierBase(ABC):
                 )
                 self._done_cv.notify_all()
 
+    def _note_residency(self, job: _Job, keys: list[OffloadKey], rows: list[memoryview], outcomes: list[_Out]) -> None:
+        """Written or read records become the most recent (a read one written by another engine joins), missing
+        ones leave; after stores the bound evicts past ``max_bytes``."""
+        done = zip(keys, rows, outcomes, strict=True)
+        held = [(k, self._record_bytes(k, len(r))) for k, r, o in done if isinstance(o, int)]
+        gone = [k for k, o in zip(keys, outcomes, strict=True) if o is None] if job.direction is Direction.LOAD else []
+        if self.residency.note(held, gone) and job.direction is Direction.STORE:
+            self._enforce_bound()
+
     def poll(self) -> list[TierIOResult]:
         """Jobs finished since the last call."""
         with self._lock:
@@ -376,6 +404,7 @@ class TierBase(ABC):
     def delete(self, keys: Sequence[OffloadKey]) -> None:
         """Remove the records of ``keys`` (a missing one is no error; a medium fault marks the tier down)."""
         for key in keys:
+            self.residency.remove(key)
             try:
                 self._delete(key)
             except Exception as exc:  # a medium fault, as in lookups: never an exception to the caller
@@ -383,10 +412,16 @@ class TierBase(ABC):
                 return
 
     def stats(self) -> TierStats:
-        """A copy of the counters (``available`` as of now)."""
+        """A copy of the counters (``available`` and residency as of now)."""
         with self._lock:
             st = self._stats
-            return dataclasses.replace(st, available=self.available, extra=dict(st.extra))
+            return dataclasses.replace(
+                st,
+                available=self.available,
+                resident_bytes=self.residency.nbytes,
+                resident_records=len(self.residency),
+                extra=dict(st.extra),
+            )
 
     def close(self) -> None:
         """Let in-flight jobs finish, then stop the thread pools."""

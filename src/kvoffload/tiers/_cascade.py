@@ -104,6 +104,7 @@ class Tiering(SchedulerExtension):
             self._lookup_tiers, tiering.tier_lookup_timeout_s, tiering.tier_down_after_s, log=self._log
         )
         self.stats = [TierStatsRow(tier_type(t), index=i) for i, t in enumerate(tiering.secondary_tiers)]
+        self._residency: list[dict[int, tuple[int, int]]] = [{} for _ in self.stats]  # per tier: rank -> held
         """What each tier did, in config order (with its availability as the scheduler sees it)."""
         self._health = TierHealth(self.stats, self._log)
         self._unusable_at_start: list[str | None] = []
@@ -314,6 +315,14 @@ class Tiering(SchedulerExtension):
                 self._on_tier_result(report.rank, result)
 
     def _on_tier_result(self, rank: int, result: TierJobResult) -> None:
+        job = self._jobs.jobs.get(result.job_id)
+        if job is not None and (result.resident_bytes or result.resident_records):
+            # A rank that did none of the job's IO (another rank writes a shared pool's rows) reports zeros.
+            held = self._residency[job.job.tier]
+            held[rank] = (result.resident_bytes, result.resident_records)
+            row = self.stats[job.job.tier]
+            row.resident_bytes = sum(b for b, _ in held.values())
+            row.resident_records = sum(n for _, n in held.values())
         state = self._jobs.on_result(rank, result)
         if state is not None:
             self._finish_tier_job(state)

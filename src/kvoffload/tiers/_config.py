@@ -125,9 +125,10 @@ def open_tier(
 ) -> SecondaryTier:
     """Open the tier ``config`` describes for ``namespace`` (``url_override``: an embedded server's url).
 
-    ``lookups_only``: the scheduler's instances only answer lookups (a disk tier then neither indexes nor
-    evicts: the workers' instances own the records). ``index``: the tier's place in ``secondary_tiers``, named by
-    errors (an out-of-tree class that cannot be imported is a :class:`~kvoffload.errors.ConfigImportError`).
+    ``lookups_only``: the scheduler's instances only answer lookups (a tier then neither indexes the records
+    already there nor evicts: the workers' instances own the records). ``index``: the tier's place in
+    ``secondary_tiers``, named by errors (an out-of-tree class that cannot be imported is a
+    :class:`~kvoffload.errors.ConfigImportError`).
     """
     if isinstance(config, FsTierConfig):
         from kvoffload.tiers._fs import FsTier
@@ -163,6 +164,8 @@ def open_tier(
             password=config.password,
             username=config.username,
             ssl_options=ssl,
+            max_bytes=config.max_bytes,
+            index_existing=not lookups_only,
         )
     if isinstance(config, ObjTierConfig):
         try:
@@ -178,6 +181,8 @@ def open_tier(
             prefix=config.prefix,
             io_threads=config.io_threads,
             request_timeout_s=config.request_timeout_s,
+            max_bytes=config.max_bytes,
+            index_existing=not lookups_only,
         )
     if isinstance(config, CustomTierConfig):
         name = config.tier_type or config.class_name

@@ -27,8 +27,6 @@ import errno
 import itertools
 import mmap
 import os
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -95,6 +93,7 @@ class FsTier(TierBase):
             n_write_threads=n_write_threads,
             retry_backoff_s=retry_backoff_s,
             max_backoff_s=max_backoff_s,
+            max_bytes=max_bytes,
         )
         self.root_dir = Path(root_dir)
         self.namespace = namespace
@@ -103,14 +102,10 @@ class FsTier(TierBase):
         self._blake3 = record_mac_blake3()
         self.dir = self.root_dir / namespace.dirname
         self._dir_str = str(self.dir)
-        self.max_bytes = max_bytes
         self.fsync = fsync
         self.file_mode = file_mode
         self.dir_mode = file_mode | (file_mode & 0o444) >> 2  # search wherever the files are readable
         self._staging = Staging()
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, least recent first
-        self._total = 0
-        self._index_lock = threading.Lock()
         self._made_dirs: set[str] = set()
         self._odirect = False
         try:
@@ -197,11 +192,8 @@ class FsTier(TierBase):
                     continue
                 found.append((st.st_mtime, key, st.st_size))
         found.sort()
-        with self._index_lock:
-            for _, key, size in found:
-                self._index[key] = size
-                self._total += size
-        self._evict_over_limit(keep=None)
+        self.residency.add_found((key, size) for _, key, size in found)
+        self._enforce_bound()
 
     @staticmethod
     def _remove_stale_tmp(path: str, name: str) -> None:
@@ -231,10 +223,14 @@ class FsTier(TierBase):
     @property
     def total_bytes(self) -> int:
         """Bytes of the records this instance indexes."""
-        return self._total
+        return self.residency.nbytes
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self.residency)
+
+    def _record_bytes(self, key: bytes, payload_bytes: int) -> int:
+        size = super()._record_bytes(key, payload_bytes)
+        return round_up(size, _PAGE) if self._odirect else size
 
     # ------------------------------------------------------------------ IO
 
@@ -245,10 +241,8 @@ class FsTier(TierBase):
         return out
 
     def _store_one(self, key: bytes, row: memoryview) -> int | None:
-        with self._index_lock:
-            if key in self._index:  # this instance wrote or indexed it: rewriting would only cost bandwidth
-                self._index.move_to_end(key)
-                return 0
+        if key in self.residency:  # this instance wrote or indexed it: rewriting would only cost bandwidth
+            return 0
         h = key.hex()
         sub = f"{self._dir_str}/{h[:2]}"
         path = f"{sub}/{h}.bin"
@@ -277,11 +271,7 @@ class FsTier(TierBase):
             if exc.errno == errno.ENOENT:
                 self._made_dirs.discard(h[:2])  # the directory vanished: recreate it on the next attempt
             raise TierError(f"fs tier cannot write {path}: {exc}") from exc
-        with self._index_lock:
-            old = self._index.pop(key, 0)
-            self._index[key] = size
-            self._total += size - old
-        self._evict_over_limit(keep=key)
+        self.residency.add(key, size)
         return len(row)
 
     def _write_file(self, tmp: str, header: bytes, row: memoryview) -> int:
@@ -363,9 +353,6 @@ class FsTier(TierBase):
             verify_payload(header, row[:got], secret=self._secret)
         except RecordError as exc:
             return exc
-        with self._index_lock:
-            if key in self._index:
-                self._index.move_to_end(key)
         return got
 
     def _exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
@@ -374,35 +361,12 @@ class FsTier(TierBase):
         return [os.path.exists(self._path_str(key)) for key in keys]
 
     def _delete(self, key: bytes) -> None:
+        self.residency.remove(key)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path_of(key))
-        with self._index_lock:
-            self._total -= self._index.pop(key, 0)
-
-    def _evict_over_limit(self, keep: bytes | None) -> None:
-        if self.max_bytes is None:
-            return
-        victims: list[bytes] = []
-        with self._index_lock:
-            for key in list(self._index):
-                if self._total <= self.max_bytes:
-                    break
-                if key == keep:
-                    continue
-                self._total -= self._index.pop(key)
-                victims.append(key)
-        with self._lock:
-            self._stats.evictions += len(victims)
-        for key in victims:
-            with contextlib.suppress(OSError):
-                os.unlink(self.path_of(key))
 
     def clear(self) -> None:
         """Delete every record of this namespace (the directory stays)."""
-        with self._index_lock:
-            keys = list(self._index)
-            self._index.clear()
-            self._total = 0
-        for key in keys:
+        for key in self.residency.clear():
             with contextlib.suppress(OSError):
                 os.unlink(self.path_of(key))

@@ -60,6 +60,10 @@ class TierStats:
     unreachable_keys: int = 0
     """Keys of loads, stores and lookups whose part of the medium (a cluster node) could not be reached while the
     rest answered: counted among the misses or failed stores too; the tier stayed available."""
+    resident_bytes: int = 0
+    """Bytes of the records this instance holds (written, read, or found at start), a gauge."""
+    resident_records: int = 0
+    """Records this instance holds, a gauge."""
     available: bool = True
     last_error: str = ""
     extra: dict[str, float] = field(default_factory=dict)

@@ -55,6 +55,7 @@ from kvoffload.tiers._record import (
     record_mac_blake3,
     record_secret,
 )
+from kvoffload.tiers._record_reader import RecordReader
 
 if TYPE_CHECKING:
     from obstore.store import ClientConfig, RetryConfig, S3Config
@@ -99,6 +100,8 @@ class ObjTier(TierBase):
         known_ttl_s: float = 30.0,
         retry_backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
+        max_bytes: int | None = None,
+        index_existing: bool = False,
     ) -> None:
         if not store.bucket:
             raise ConfigError("obj tier: store_config.bucket must be non-empty")
@@ -109,12 +112,14 @@ class ObjTier(TierBase):
             n_write_threads=io_threads,
             retry_backoff_s=retry_backoff_s,
             max_backoff_s=max_backoff_s,
+            max_bytes=max_bytes,
         )
         self.endpoint = endpoint_url(store)
         self.bucket = store.bucket
         self.namespace = namespace
         self._ns_tag = namespace.tag
         self._secret = record_secret()
+        self._reader = RecordReader(namespace=self._ns_tag, secret=self._secret, what=self._describe())
         self._blake3 = record_mac_blake3()
         base = prefix.strip("/")
         self.prefix = f"{base}/{namespace.dirname}/" if base else f"{namespace.dirname}/"
@@ -147,6 +152,24 @@ class ObjTier(TierBase):
         self._known_ttl_s = known_ttl_s
         self._known: OrderedDict[bytes, float] = OrderedDict()  # key -> seen stored or found until then
         self._known_lock = threading.Lock()
+        if index_existing:
+            self._index_in_background(self._listing)
+
+    def _listing(self) -> list[tuple[bytes, int]]:
+        """The namespace's records in the bucket (one LIST, paged), oldest first, with their sizes."""
+        found: list[tuple[datetime.datetime, bytes, int]] = []
+        for page in obstore.list(self._store, prefix=self.prefix, chunk_size=1000):
+            for meta in page:
+                name = meta["path"].rsplit("/", 1)[-1]
+                if not name.endswith(".bin"):
+                    continue
+                try:
+                    key = bytes.fromhex(name[:-4])
+                except ValueError:
+                    continue
+                found.append((meta["last_modified"], key, int(meta["size"])))
+        found.sort()
+        return [(key, size) for _, key, size in found]
 
     def _describe(self) -> str:
         return f"obj tier {self.endpoint}/{self.bucket}"
@@ -238,7 +261,7 @@ class ObjTier(TierBase):
                 out.append(TierError(f"{self._describe()} cannot serve {self.object_name(key)}: {_reason(exc)}"))
                 continue
             answered = True
-            out.append(self._record_into(memoryview(value), key, row, namespace=self._ns_tag, secret=self._secret))
+            out.append(self._reader.into(memoryview(value), key, row))
         if refused and not answered:
             raise TierError(f"{self._describe()} load failed: every object of the batch: {out[refused[0]]}")
         return out
@@ -283,6 +306,7 @@ class ObjTier(TierBase):
 
     def _delete(self, key: bytes) -> None:
         self._forget(key)
+        self.residency.remove(key)
         try:
             obstore.delete(self._store, self.object_name(key))
         except FileNotFoundError:

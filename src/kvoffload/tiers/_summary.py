@@ -77,10 +77,13 @@ def describe_tier(
         where = redact_url(config.url) if config.url else "embedded"
         capacity = "unknown" if unusable else _valkey_capacity(instances[0] if instances else None)
         text = f"valkey url={where}{' cluster' if config.cluster else ''} capacity {capacity}"
+        if config.max_bytes is not None:
+            text += f", max_bytes={config.max_bytes} per rank"
     elif isinstance(config, ObjTierConfig):
         store = config.store_config
         prefix = f" prefix={config.prefix}" if config.prefix else ""
-        text = f"obj {store.endpoint_override}/{store.bucket}{prefix}"
+        limit = "unlimited" if config.max_bytes is None else f"{config.max_bytes} per rank"
+        text = f"obj {store.endpoint_override}/{store.bucket}{prefix} max_bytes={limit}"
     elif isinstance(config, CustomTierConfig):
         text = f"{config.tier_type or 'custom'} {config.module_path}.{config.class_name}"
     else:

@@ -4,8 +4,9 @@ A tier whose config sets ``enable_kv_events`` (vLLM's key of the fs tier; defaul
 the host pool announces its chunks: a chunk whose cascade completed on every rank is ``stored`` on ``STORAGE``, and
 a record a worker found bad (damaged, of another namespace, not authenticated) and deleted is ``removed``. The
 scheduler's :meth:`~kvoffload.offload.scheduler.OffloadScheduler.take_events` publishes them after the host
-pool's. Records a tier drops on its own are not announced: a disk tier's ``max_bytes`` evictions happen in the
-workers' instances, which the scheduler does not hear of, and a Valkey server's LRU evictions in the server.
+pool's. Records a tier drops on its own are not announced: a tier's ``max_bytes`` evictions happen in the
+workers' instances, which report how much they hold but not which keys went, and a Valkey server's LRU evictions in
+the server.
 """
 
 from __future__ import annotations

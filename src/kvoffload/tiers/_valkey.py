@@ -23,6 +23,7 @@ operation after the back-off.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,7 @@ from kvoffload.tiers._record import (
     record_mac_blake3,
     record_secret,
 )
+from kvoffload.tiers._record_reader import RecordReader
 from kvoffload.tiers._summary import redact_url
 
 __all__ = ["ValkeyTier"]
@@ -80,6 +82,8 @@ class ValkeyTier(TierBase):
         ssl_options: dict[str, str | bool] | None = None,
         retry_backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
+        max_bytes: int | None = None,
+        index_existing: bool = False,
     ) -> None:
         if not url:
             raise ConfigError("valkey tier: url must be non-empty (use EmbeddedValkey for a private server)")
@@ -89,11 +93,13 @@ class ValkeyTier(TierBase):
             n_write_threads=n_write_threads,
             retry_backoff_s=retry_backoff_s,
             max_backoff_s=max_backoff_s,
+            max_bytes=max_bytes,
         )
         self.url = url
         self.namespace = namespace
         self._ns_tag = namespace.tag
         self._secret = record_secret()
+        self._reader = RecordReader(namespace=self._ns_tag, secret=self._secret, what=self._describe())
         self._blake3 = record_mac_blake3()
         self.cluster = cluster
         self.batch_size = batch_size
@@ -124,6 +130,8 @@ class ValkeyTier(TierBase):
             # first operation (or probe) tries again and reports it.
             self._client = None
         self._cluster_kwargs = kwargs
+        if index_existing:
+            self._index_in_background(self._listing)
 
     def _conn(self) -> Any:
         if self._client is None:
@@ -172,6 +180,17 @@ class ValkeyTier(TierBase):
 
     def _describe(self) -> str:
         return f"valkey tier {redact_url(self.url)}"
+
+    def _listing(self) -> list[tuple[bytes, int]]:
+        """The namespace's records on the server (SCAN, every primary of a cluster; the server keeps no write
+        times, so in the order found), each the size of the namespace's records."""
+        pattern = re.sub(rb"([*?\[\]\\])", rb"\\\1", self.prefix) + b"*"
+        n = len(self.prefix)
+        out: list[tuple[bytes, int]] = []
+        for name in self._conn().scan_iter(match=pattern, count=1000):
+            key = bytes(name[n:])
+            out.append((key, self._record_bytes(key, self.namespace.row_bytes)))
+        return out
 
     def _batches(self, n: int, direction: Direction) -> list[range]:
         step = self.batch_size
@@ -323,7 +342,7 @@ class ValkeyTier(TierBase):
                 continue
             if not isinstance(value, bytes):
                 raise TierError(f"valkey tier load failed: {value}")
-            out.append(self._record_into(memoryview(value), key, row, namespace=self._ns_tag, secret=self._secret))
+            out.append(self._reader.into(memoryview(value), key, row))
         return out
 
     def _exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool | TierError]:
@@ -349,6 +368,7 @@ class ValkeyTier(TierBase):
         return out
 
     def _delete(self, key: bytes) -> None:
+        self.residency.remove(key)
         try:
             self._conn().delete(self.key_of(key))
         except _ERRORS as exc:

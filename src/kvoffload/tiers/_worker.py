@@ -136,7 +136,11 @@ class TierWorker:
         """Settle the tier jobs that finished: a promotion's rows are sealed here, so a load may read them."""
         out = self._done
         for t, tier in enumerate(self.tiers):
-            for r in tier.poll():
+            finished = tier.poll()
+            if not finished:
+                continue
+            held = tier.stats()  # residency after these jobs, reported with each of them
+            for r in finished:
                 self._jobs.pop(r.job_id, None)
                 keep = self._kept(r.job_id)
                 stored = self._keys.pop(r.job_id, None)
@@ -152,6 +156,8 @@ class TierWorker:
                         num_bytes=r.num_bytes,
                         seconds=r.seconds,
                         corrupt=pack_int32(corrupt),
+                        resident_bytes=held.resident_bytes,
+                        resident_records=held.resident_records,
                     )
                 )
 

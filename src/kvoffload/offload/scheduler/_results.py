@@ -131,6 +131,11 @@ class TierStatsRow:
     """Times the tier went unavailable, as the scheduler saw it (one per outage, whatever the ranks)."""
     unavailable_reason: str = ""
     """Why the tier went unavailable last (kept after it came back)."""
+    resident_bytes: int = 0
+    """Bytes of records the workers' instances of the tier hold, summed over ranks (a gauge: each rank's last
+    report with its tier job results; a rank that has not reported a job yet counts 0)."""
+    resident_records: int = 0
+    """Records the workers' instances of the tier hold, summed over ranks (a gauge, as ``resident_bytes``)."""
 
     @property
     def label(self) -> str:
