@@ -68,7 +68,10 @@ class S3Server:
         self.volumes: list[subprocess.Popen[bytes]] = []
 
     def start(self, timeout_s: float = 60.0) -> S3Server:
-        """Start the processes and wait until the bucket is created (the gateway answers before the filer is up)."""
+        """Start the processes and wait until the bucket is created (the gateway answers before the filer is up).
+        A running server refuses a second start (``with S3Server(...).start()`` would orphan the first)."""
+        if self.server is not None and self.server.poll() is None:
+            raise RuntimeError(f"the S3 server on {self.endpoint} is already running (with-blocks start it themselves)")
         self.data_dir.mkdir(parents=True, exist_ok=True)
         identities = {
             "identities": [

@@ -343,3 +343,10 @@ def test_an_object_store_outage_in_the_scheduler_is_one_warning_tier_unavailable
             sched.close()
     finally:
         server.stop()
+
+
+def test_a_running_server_refuses_a_second_start(s3_server: S3Server) -> None:
+    """A second start would leave the first server running unowned: refused, and the first keeps serving."""
+    with pytest.raises(RuntimeError, match="already running"):
+        s3_server.start()
+    assert s3_server.client() is not None and s3_server.volume_servers() == 1
