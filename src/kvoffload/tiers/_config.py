@@ -27,7 +27,13 @@ from kvoffload._generated import (
 from kvoffload.errors import ConfigClassError, ConfigError, ConfigImportError
 from kvoffload.tiers._base import SecondaryTier
 from kvoffload.tiers._namespace import Namespace
-from kvoffload.tiers._registry import BUILTIN_TIER_TYPES, import_tier_class, registered_tier_class, tier_type_names
+from kvoffload.tiers._registry import (
+    BUILTIN_TIER_TYPES,
+    BuiltinTierConfig,
+    import_tier_class,
+    registered_tier_class,
+    tier_type_names,
+)
 
 __all__ = ["TIERING_KEYS", "open_tier", "tier_from_cli", "tiering_config_from_extra"]
 
@@ -91,7 +97,7 @@ def tiering_config_from_extra(extra: Mapping[str, object]) -> TieringConfig:
                 endpoint_url(tier.store_config)
             except ConfigError as exc:
                 raise ConfigError(f"secondary_tiers[{i}] ({kind}): {exc}") from None
-        if isinstance(tier, FsTierConfig | ValkeyTierConfig | ObjTierConfig) and tier.locality not in (
+        if isinstance(tier, BuiltinTierConfig) and tier.locality not in (
             None,
             "LOCAL",
             "REMOTE",

@@ -14,13 +14,14 @@ from collections.abc import Sequence
 from kvoffload._generated import FsTierConfig, Medium, ObjTierConfig, SecondaryTierConfig, ValkeyTierConfig
 from kvoffload.errors import ConfigError
 from kvoffload.offload.scheduler import Locality, TierFilter
+from kvoffload.tiers._registry import BuiltinTierConfig
 
 __all__ = ["LoadFilters", "configured_locality", "tier_place"]
 
 
 def configured_locality(config: SecondaryTierConfig) -> Locality | None:
     """The ``locality`` a built-in tier's config sets (None: unset, or an out-of-tree tier)."""
-    if isinstance(config, FsTierConfig | ValkeyTierConfig | ObjTierConfig) and config.locality is not None:
+    if isinstance(config, BuiltinTierConfig) and config.locality is not None:
         if config.locality.upper() not in Locality.__members__:
             raise ConfigError(f"tier locality={config.locality!r} is not LOCAL or REMOTE")
         return Locality(config.locality.upper())

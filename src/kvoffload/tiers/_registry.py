@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import importlib
 
+from kvoffload._generated import FsTierConfig, ObjTierConfig, ValkeyTierConfig
 from kvoffload.errors import ConfigClassError, ConfigError, ConfigImportError, ConfigModuleNotFoundError
 from kvoffload.tiers._base import SecondaryTier, TierBase
 
 __all__ = [
     "BUILTIN_TIER_TYPES",
+    "BuiltinTierConfig",
     "check_tier_class",
     "import_tier_class",
     "register_tier_type",
@@ -26,6 +28,10 @@ __all__ = [
 
 BUILTIN_TIER_TYPES = ("fs", "valkey", "obj", "custom")
 """The ``type`` tags of the schema's tier configs (``custom``: an out-of-tree class by ``module_path``)."""
+
+BuiltinTierConfig = FsTierConfig | ValkeyTierConfig | ObjTierConfig
+"""The configs of the built-in kinds: each has vLLM's ``locality`` and ``enable_kv_events`` keys and a
+``max_bytes`` bound (what an out-of-tree tier takes is in its own ``options``)."""
 
 _REGISTERED: dict[str, type] = {}
 

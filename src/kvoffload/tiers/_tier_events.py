@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvoffload._generated import FsTierConfig, Medium, ObjTierConfig, SecondaryTierConfig, ValkeyTierConfig
+from kvoffload._generated import Medium, SecondaryTierConfig
 from kvoffload.offload.keys import OffloadKey
 from kvoffload.offload.manager import OffloadEvent
+from kvoffload.tiers._registry import BuiltinTierConfig
 
 __all__ = ["TierEvents"]
 
@@ -24,9 +25,7 @@ class TierEvents:
     """The events of the tiers that announce their records, collected until :meth:`take`."""
 
     def __init__(self, configs: Sequence[SecondaryTierConfig]) -> None:
-        self.enabled = tuple(
-            isinstance(c, FsTierConfig | ValkeyTierConfig | ObjTierConfig) and c.enable_kv_events for c in configs
-        )
+        self.enabled = tuple(isinstance(c, BuiltinTierConfig) and c.enable_kv_events for c in configs)
         self._events: list[OffloadEvent] = []
 
     def stored(self, tier: int, keys: Sequence[OffloadKey]) -> None:
