@@ -1,11 +1,12 @@
 """Fail closed in a real vLLM engine: damaged tier records (overwritten in place, truncated, swapped, deleted
-mid-promotion), a Valkey server frozen or killed mid-promotion, and random load faults never turn into a wrong
+mid-promotion), a Valkey or S3 server frozen or killed mid-promotion, and random load faults never turn into a wrong
 token. Engine A fills the tier; a new engine B serves the same prompts from it, round after round of damage, in
 vLLM's in-process and default multi-process modes; every output must equal a cold engine's, and each round must
 have met its damage (the tier caught and removed the damaged records, or the fault plan fired)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -88,11 +89,33 @@ def test_damaged_valkey_records_and_a_frozen_or_killed_server_never_become_wrong
     server = start_valkey(tmp_path / "valkey")
     try:
         (pid,) = valkey_pids([server])
-        env = {"KVO_TEST_VALKEY_URL": valkey_url(server), "KVO_TEST_VALKEY_PID": str(pid)}
+        env = {"KVO_TEST_VALKEY_URL": valkey_url(server), "KVO_TEST_SERVER_PID": str(pid)}
         rounds = ["freeze", *DAMAGE] if multiprocess else [*DAMAGE, "kill"]
         b, seen = _fill_and_serve(tiny_model, tmp_path, cold, "valkey", rounds, multiprocess=multiprocess, **env)
     finally:
         stop_valkey([server])
+    _check_rounds(b, seen)
+
+
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["in-process", "multi-process"])
+def test_damaged_object_store_records_and_a_frozen_or_killed_server_never_become_wrong_tokens(
+    tiny_model: Path, tmp_path: Path, cold: Path, multiprocess: bool
+) -> None:
+    """The object-store tier on a real S3 server (SeaweedFS): damaged objects, objects deleted mid-promotion, and the
+    server frozen or killed mid-promotion (requests bounded by request_timeout_s) never become wrong tokens."""
+    from testing.s3_server import S3Server
+
+    server = S3Server(tmp_path / "s3").start()
+    try:
+        tier = {"type": "obj", "store_config": server.store_config(), "prefix": "kv", "io_threads": 2}
+        env = {
+            "KVO_TEST_TIER_JSON": json.dumps(tier | {"request_timeout_s": 2.0}),
+            "KVO_TEST_SERVER_PID": str(server.pid),
+        }
+        rounds = ["freeze", *DAMAGE] if multiprocess else [*DAMAGE, "kill"]
+        b, seen = _fill_and_serve(tiny_model, tmp_path, cold, "obj", rounds, multiprocess=multiprocess, **env)
+    finally:
+        server.stop()
     _check_rounds(b, seen)
 
 

@@ -2,7 +2,8 @@
 engine's (tests/integrations/test_vllm_faults.py runs it; the chaos run is ``serve ... chaos`` with many rounds).
 
 ``python vllm_faults_scenario.py PHASE MODEL_DIR OUT_DIR TIER [ROUNDS]`` with TIER ``fs`` (records under
-``OUT_DIR/../disk``) or ``valkey`` (``KVO_TEST_VALKEY_URL``; ``KVO_TEST_VALKEY_PID`` for the kill and freeze rounds):
+``OUT_DIR/../disk``), ``valkey`` (``KVO_TEST_VALKEY_URL``) or ``obj`` (the tier entry in ``KVO_TEST_TIER_JSON``);
+``KVO_TEST_SERVER_PID`` names the server process for the kill and freeze rounds:
 
 * ``cold``: the prompts on an engine without the connector (writes ``cold.json`` beside ``OUT_DIR``);
 * ``fill``: engine A serves the prompts with the tier and waits until every record landed;
@@ -12,7 +13,7 @@ engine's (tests/integrations/test_vllm_faults.py runs it; the chaos run is ``ser
 
 Rounds: ``overwrite`` (64 bytes in the middle of every third record, same length), ``truncate`` (every third
 record cut to half), ``swap`` (pairs of records exchange their bytes), ``delete`` (each tier read deletes half its
-records just before reading: mid-promotion), ``freeze``/``kill`` (the Valkey server is SIGSTOPped / SIGKILLed at
+records just before reading: mid-promotion), ``freeze``/``kill`` (the Valkey or S3 server is SIGSTOPped / SIGKILLed at
 the first tier read of the round), ``chaos`` (random damaged reads and failed host-to-engine loads).
 """
 
@@ -59,6 +60,9 @@ ENGINE_KW: dict[str, Any] = {
 def _tier(out: Path, kind: str) -> dict[str, Any]:
     if kind == "fs":
         return {"type": "fs", "root_dir": str(out.parent / "disk"), "n_read_threads": 2, "n_write_threads": 2}
+    if kind == "obj":
+        entry: dict[str, Any] = json.loads(os.environ["KVO_TEST_TIER_JSON"])
+        return entry
     return {"type": "valkey", "url": os.environ["KVO_TEST_VALKEY_URL"]}
 
 
@@ -107,13 +111,38 @@ class _Medium:
             import valkey
 
             self.client = valkey.Valkey.from_url(os.environ["KVO_TEST_VALKEY_URL"], socket_timeout=10)
+        elif kind == "obj":
+            from obstore.store import S3Store
+
+            entry = _tier(out, kind)
+            store = entry["store_config"]
+            self.prefix = f"{entry['prefix']}/"
+            self.client = S3Store(
+                store["bucket"],
+                config={
+                    "endpoint": store["endpoint_override"],
+                    "access_key_id": store["access_key"],
+                    "secret_access_key": store["secret_key"],
+                    "region": store["region"],
+                },
+                client_options={"allow_http": True},
+            )
 
     def records(self) -> list[Any]:
         if self.kind == "fs":
             return sorted(p for p in self.root.rglob("*.bin") if not p.name.startswith("."))
+        if self.kind == "obj":
+            import obstore
+
+            pages = obstore.list(self.client, prefix=self.prefix)
+            return sorted(m["path"] for page in pages for m in page if m["path"].endswith(".bin"))
         return sorted(self.client.scan_iter(match=b"kvo:*", count=1000))
 
     def read(self, record: Any) -> bytes:
+        if self.kind == "obj":
+            import obstore
+
+            return bytes(obstore.get(self.client, record).bytes())
         return bytes(record.read_bytes() if self.kind == "fs" else self.client.get(record))
 
     def write(self, record: Any, data: bytes) -> None:
@@ -121,6 +150,10 @@ class _Medium:
             with open(record, "r+b") as f:  # in place, as a failing disk or a stray writer would
                 f.write(data)
                 f.truncate(len(data))
+        elif self.kind == "obj":
+            import obstore
+
+            obstore.put(self.client, record, data)  # a stray writer replaces the whole object
         else:
             self.client.set(record, data)
 
@@ -158,7 +191,7 @@ def _plan(out: Path, round_kind: str, seed: int) -> dict[str, Any] | None:
         return {"tier_delete": 1.0, "log": log, "seed": seed}
     if round_kind in ("freeze", "kill"):
         name = "SIGSTOP" if round_kind == "freeze" else "SIGKILL"
-        return {"signal_pid": int(os.environ["KVO_TEST_VALKEY_PID"]), "signal_name": name, "log": log, "seed": seed}
+        return {"signal_pid": int(os.environ["KVO_TEST_SERVER_PID"]), "signal_name": name, "log": log, "seed": seed}
     if round_kind == "chaos":
         return {"tier_record": 0.3, "host_load": 0.25, "log": log, "seed": seed}
     return None
@@ -216,7 +249,7 @@ def serve(model: str, out: Path, kind: str, rounds: list[str]) -> dict[str, Any]
         served = [_generate(llm, p) for p in PROMPTS]
         plan_file.unlink(missing_ok=True)
         if round_kind == "freeze":
-            os.kill(int(os.environ["KVO_TEST_VALKEY_PID"]), signal.SIGCONT)
+            os.kill(int(os.environ["KVO_TEST_SERVER_PID"]), signal.SIGCONT)
         row = {
             "round": round_kind,
             "same": [tokens == want for (tokens, _), want in zip(served, expected, strict=True)],

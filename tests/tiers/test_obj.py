@@ -350,3 +350,17 @@ def test_a_running_server_refuses_a_second_start(s3_server: S3Server) -> None:
     with pytest.raises(RuntimeError, match="already running"):
         s3_server.start()
     assert s3_server.client() is not None and s3_server.volume_servers() == 1
+
+
+def test_a_key_a_promotion_found_missing_is_asked_again(s3_server: S3Server) -> None:
+    """The scheduler's lookup instance remembers keys it found for a while; when a worker's promotion found one gone
+    (deleted by another engine's bound, an operator), forget() makes the next lookup ask the store again instead of
+    promoting the same missing record over and over."""
+    keys = _keys(2, salt=13)
+    with _tier(s3_server) as writer, _tier(s3_server) as scheduler_side:
+        assert _store(writer, keys, _rows(2)) == ()
+        assert scheduler_side.lookup(keys) == [True, True]
+        obstore.delete(_raw_store(s3_server), scheduler_side.object_name(keys[0]))
+        assert scheduler_side.lookup(keys) == [True, True], "remembered: not asked again within its TTL"
+        scheduler_side.forget([keys[0]])
+        assert scheduler_side.lookup(keys) == [False, True], "asked again: gone"

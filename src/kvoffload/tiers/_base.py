@@ -411,6 +411,12 @@ class TierBase(ABC):
                 self._mark_down(exc)
                 return
 
+    def forget(self, keys: Sequence[bytes]) -> None:
+        """The scheduler found these records missing (a promotion failed): drop whatever this instance remembers
+        of them (its residency; a tier that caches lookups drops them there too, so it asks the medium again)."""
+        for key in keys:
+            self.residency.remove(key)
+
     def stats(self) -> TierStats:
         """A copy of the counters (``available`` and residency as of now)."""
         with self._lock:

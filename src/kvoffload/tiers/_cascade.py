@@ -53,7 +53,7 @@ from kvoffload.offload.scheduler import (
     TierStatsRow,
 )
 from kvoffload.tiers._backpressure import EMABackpressureDetector, resolve_backpressure
-from kvoffload.tiers._base import SecondaryTier
+from kvoffload.tiers._base import SecondaryTier, TierBase
 from kvoffload.tiers._config import open_tier
 from kvoffload.tiers._health import TierHealth, tier_is_healthy, tier_type
 from kvoffload.tiers._jobs import TierJobBook, TierJobState, count_finished
@@ -335,6 +335,10 @@ class Tiering(SchedulerExtension):
         bad = [keys[i] for i in sorted(state.failed) if i < len(keys)]
         good = [k for i, k in enumerate(keys) if i not in state.failed]
         if job.is_promotion:
+            if bad:  # a lookup instance that remembers them as present (obj's known cache) must ask again
+                for tier in self._lookup_tiers[job.tier] if job.tier < len(self._lookup_tiers) else ():
+                    if isinstance(tier, TierBase):
+                        tier.forget(bad)
             if not state.stale:
                 if good:
                     self.manager.complete_store(good, success=True)

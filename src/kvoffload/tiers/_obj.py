@@ -300,6 +300,12 @@ class ObjTier(TierBase):
             while len(self._known) > _KNOWN_MAX:
                 self._known.popitem(last=False)
 
+    def forget(self, keys: Sequence[bytes]) -> None:
+        """Keys a promotion found missing leave the known cache too: the next lookup asks the store again."""
+        super().forget(keys)
+        for key in keys:
+            self._forget(key)
+
     def _forget(self, key: bytes) -> None:
         with self._known_lock:
             self._known.pop(key, None)
