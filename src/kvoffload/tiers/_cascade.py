@@ -104,8 +104,8 @@ class Tiering(SchedulerExtension):
             self._lookup_tiers, tiering.tier_lookup_timeout_s, tiering.tier_down_after_s, log=self._log
         )
         self.stats = [TierStatsRow(tier_type(t), index=i) for i, t in enumerate(tiering.secondary_tiers)]
-        self._residency: list[dict[int, tuple[int, int]]] = [{} for _ in self.stats]  # per tier: rank -> held
         """What each tier did, in config order (with its availability as the scheduler sees it)."""
+        self._residency: list[dict[int, tuple[int, int]]] = [{} for _ in self.stats]  # per tier: rank -> held
         self._health = TierHealth(self.stats, self._log)
         self._unusable_at_start: list[str | None] = []
         try:

@@ -361,7 +361,6 @@ class FsTier(TierBase):
         return [os.path.exists(self._path_str(key)) for key in keys]
 
     def _delete(self, key: bytes) -> None:
-        self.residency.remove(key)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path_of(key))
 

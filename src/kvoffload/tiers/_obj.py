@@ -312,7 +312,6 @@ class ObjTier(TierBase):
 
     def _delete(self, key: bytes) -> None:
         self._forget(key)
-        self.residency.remove(key)
         try:
             obstore.delete(self._store, self.object_name(key))
         except FileNotFoundError:

@@ -368,7 +368,6 @@ class ValkeyTier(TierBase):
         return out
 
     def _delete(self, key: bytes) -> None:
-        self.residency.remove(key)
         try:
             self._conn().delete(self.key_of(key))
         except _ERRORS as exc:
